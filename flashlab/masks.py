@@ -1,0 +1,344 @@
+"""One attention request, validated once: shapes, dtypes and one mask description.
+
+Every rung (reference, tiled, the Pallas kernels, ring attention) consumes the
+:class:`AttentionSpec` built here, so there is exactly one place that decides
+what "visible" means and exactly one place that rejects bad input.
+
+Semantics (those of ``jax.nn.dot_product_attention`` plus flashlab's extras):
+
+* layout ``[batch, seq, heads, head_dim]`` for query, key and value;
+* ``logits = scale * q·k`` (default ``scale = 1/sqrt(head_dim)``), then the soft cap
+  ``c * tanh(logits / c)``, then ``+ bias``, then the masks;
+* query ``i`` may see key ``j`` only if every mask agrees:
+  ``mask[b, h, i, j]`` (True = visible), ``j <= i`` when causal (top-left aligned, as
+  ``jnp.tril``), ``i - left <= j <= i + right`` for ``local_window_size=(left, right)``,
+  ``i < query_seq_lengths[b]`` and ``j < key_value_seq_lengths[b]``, and equal segment ids;
+* GQA/MQA: query head ``h`` reads kv head ``h // (Hq // Hk)``;
+* a query row with no visible key returns zeros, and its gradients are zeros.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["AttentionSpec", "validate", "structural_visible", "block_maybe_visible"]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AttentionSpec:
+    """A validated attention request: static facts plus the mask/bias arrays.
+
+    Array fields (pytree leaves, may be ``None``):
+      bias            float  [B or 1, Hq or 1, Tq, Tk]
+      mask            bool   [B or 1, Hq or 1, Tq, Tk]   True = visible
+      q_lengths       int32  [B]      valid query tokens per batch row
+      kv_lengths      int32  [B]      valid key tokens per batch row
+      q_segment_ids   int32  [B, Tq]
+      kv_segment_ids  int32  [B, Tk]
+    Static fields: shapes, dtype, ``scale``, ``is_causal``, ``window`` (left, right) and
+    ``soft_cap``. ``window`` sides may be ``None`` meaning unbounded on that side.
+    """
+
+    batch: int = dataclasses.field(metadata=dict(static=True))
+    q_len: int = dataclasses.field(metadata=dict(static=True))
+    kv_len: int = dataclasses.field(metadata=dict(static=True))
+    num_heads: int = dataclasses.field(metadata=dict(static=True))
+    num_kv_heads: int = dataclasses.field(metadata=dict(static=True))
+    head_dim: int = dataclasses.field(metadata=dict(static=True))
+    head_dim_v: int = dataclasses.field(metadata=dict(static=True))
+    dtype: Any = dataclasses.field(metadata=dict(static=True))
+    scale: float = dataclasses.field(metadata=dict(static=True))
+    is_causal: bool = dataclasses.field(metadata=dict(static=True))
+    window: tuple[int | None, int | None] | None = dataclasses.field(metadata=dict(static=True))
+    soft_cap: float | None = dataclasses.field(metadata=dict(static=True))
+    bias: jax.Array | None = None
+    mask: jax.Array | None = None
+    q_lengths: jax.Array | None = None
+    kv_lengths: jax.Array | None = None
+    q_segment_ids: jax.Array | None = None
+    kv_segment_ids: jax.Array | None = None
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per kv head (1 for MHA, Hq for MQA)."""
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def has_structural_mask(self) -> bool:
+        """True when causal/window/lengths/segments restrict visibility."""
+        return (self.is_causal or self.window is not None or self.q_lengths is not None
+                or self.kv_lengths is not None or self.q_segment_ids is not None)
+
+    def features(self) -> set[str]:
+        """Names of the optional features this request uses (for backend capability checks)."""
+        f = set()
+        if self.bias is not None:
+            f.add("bias")
+        if self.mask is not None:
+            f.add("mask")
+        if self.is_causal:
+            f.add("causal")
+        if self.window is not None:
+            f.add("local_window")
+        if self.q_lengths is not None or self.kv_lengths is not None:
+            f.add("seq_lengths")
+        if self.q_segment_ids is not None:
+            f.add("segment_ids")
+        if self.soft_cap is not None:
+            f.add("soft_cap")
+        if self.num_kv_heads != self.num_heads:
+            f.add("gqa")
+        if self.q_len != self.kv_len:
+            f.add("cross_attention")
+        return f
+
+    def visible(self, q_pos, k_pos, batch_index=None):
+        """Structural visibility (everything except the dense ``mask``) at given positions.
+
+        ``q_pos``: int array broadcastable to ``[..., Tq', 1]``; ``k_pos`` to ``[..., 1, Tk']``.
+        ``batch_index`` selects rows of the length/segment arrays (``None`` = all batch rows,
+        which then lead the result: ``[B, 1, Tq', Tk']``).
+        """
+        q_len = kv_len = q_seg = kv_seg = None
+        take = (lambda a: a) if batch_index is None else (lambda a: a[batch_index])
+        if self.q_lengths is not None:
+            q_len = take(self.q_lengths)
+        if self.kv_lengths is not None:
+            kv_len = take(self.kv_lengths)
+        if self.q_segment_ids is not None:
+            q_seg = take(self.q_segment_ids)
+            kv_seg = take(self.kv_segment_ids)
+        if batch_index is None:
+            # Give lengths shape [B, 1, 1, 1] and segment ids [B, 1, T, 1] / [B, 1, 1, S].
+            q_len = None if q_len is None else q_len[:, None, None, None]
+            kv_len = None if kv_len is None else kv_len[:, None, None, None]
+            if q_seg is not None:
+                q_seg = jnp.take(q_seg, q_pos[..., :, 0], axis=1)[:, None, :, None]
+                kv_seg = jnp.take(kv_seg, k_pos[..., 0, :], axis=1)[:, None, None, :]
+        elif q_seg is not None:
+            q_seg = jnp.take(q_seg, q_pos[..., :, 0], axis=-1)[..., :, None]
+            kv_seg = jnp.take(kv_seg, k_pos[..., 0, :], axis=-1)[..., None, :]
+        return structural_visible(q_pos, k_pos, is_causal=self.is_causal, window=self.window,
+                                  q_len=q_len, kv_len=kv_len, q_seg=q_seg, kv_seg=kv_seg)
+
+
+def structural_visible(q_pos, k_pos, *, is_causal=False, window=None, q_len=None, kv_len=None,
+                       q_seg=None, kv_seg=None):
+    """The one definition of visibility, elementwise over broadcastable position arrays.
+
+    ``q_pos`` ``[..., Tq, 1]`` and ``k_pos`` ``[..., 1, Tk]`` are absolute token positions;
+    ``q_len``/``kv_len`` broadcast against them; ``q_seg`` ``[..., Tq, 1]`` and ``kv_seg``
+    ``[..., 1, Tk]`` are the segment ids at those positions. Returns bool ``[..., Tq, Tk]``.
+    Works on jnp arrays, inside jit, and inside Pallas kernels.
+    """
+    vis = jnp.ones(jnp.broadcast_shapes(jnp.shape(q_pos), jnp.shape(k_pos)), dtype=bool)
+    if is_causal:
+        vis = vis & (k_pos <= q_pos)
+    if window is not None:
+        left, right = window
+        if left is not None:
+            vis = vis & (k_pos >= q_pos - left)
+        if right is not None:
+            vis = vis & (k_pos <= q_pos + right)
+    if q_len is not None:
+        vis = vis & (q_pos < q_len)
+    if kv_len is not None:
+        vis = vis & (k_pos < kv_len)
+    if q_seg is not None:
+        vis = vis & (q_seg == kv_seg)
+    return vis
+
+
+def block_maybe_visible(q_start, q_stop, k_start, k_stop, *, is_causal=False, window=None):
+    """Whether any key in ``[k_start, k_stop)`` may be visible from a query in ``[q_start, q_stop)``.
+
+    Conservative: uses only the causal and window masks (the ones known from positions
+    alone), so a ``False`` here is a block that can be skipped with neither compute nor DMA.
+    Works on Python ints and on traced int32 scalars (grid indices inside index maps).
+    """
+    ok = True
+    if is_causal:
+        ok = _and(ok, k_start <= q_stop - 1)
+    if window is not None:
+        left, right = window
+        if left is not None:
+            ok = _and(ok, k_stop - 1 >= q_start - left)
+        if right is not None:
+            ok = _and(ok, k_start <= q_stop - 1 + right)
+    return ok
+
+
+def _and(a, b):
+    if isinstance(a, bool) and isinstance(b, bool):
+        return a and b
+    if isinstance(a, bool):
+        return b if a else False
+    return jnp.logical_and(a, b)
+
+
+# ----------------------------------------------------------------------------- validation
+
+_FLOAT_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
+
+
+def _shape(x) -> tuple[int, ...]:
+    return tuple(np.shape(x))
+
+
+def _check_qkv(query, key, value):
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise TypeError(f"{name}: expected a jax or numpy array, got {type(x).__name__}")
+        if x.ndim != 4:
+            raise ValueError(f"{name}: expected rank 4 [batch, seq, heads, head_dim], "
+                             f"got shape {_shape(x)} (rank {x.ndim})")
+        dt = jnp.dtype(x.dtype)
+        if not any(dt == jnp.dtype(f) for f in _FLOAT_DTYPES):
+            raise TypeError(f"{name}: expected a floating dtype (float16, bfloat16, float32, "
+                            f"float64), got {dt}")
+    if jnp.dtype(key.dtype) != jnp.dtype(query.dtype) or jnp.dtype(value.dtype) != jnp.dtype(query.dtype):
+        raise TypeError(f"query, key, value: expected one dtype, got {query.dtype}, "
+                        f"{key.dtype}, {value.dtype}")
+    B, T, N, H = query.shape
+    Bk, S, K, Hk = key.shape
+    if Bk != B:
+        raise ValueError(f"key: expected batch {B} (query's), got shape {_shape(key)}")
+    if Hk != H:
+        raise ValueError(f"key: expected head_dim {H} (query's), got shape {_shape(key)}")
+    if value.shape[:3] != (B, S, K):
+        raise ValueError(f"value: expected shape [{B}, {S}, {K}, head_dim] (key's batch, seq "
+                         f"and heads), got {_shape(value)}")
+    if min(T, S, N, K, H) < 1 or value.shape[3] < 1:
+        raise ValueError(f"query/key/value: every dimension must be >= 1, got query "
+                         f"{_shape(query)}, key {_shape(key)}, value {_shape(value)}")
+    if N % K:
+        raise ValueError(f"key: query heads ({N}) must be a multiple of kv heads; got key "
+                         f"shape {_shape(key)} with {K} heads")
+
+
+def _check_4d(name, x, B, N, T, S, kind):
+    if not hasattr(x, "shape"):
+        raise TypeError(f"{name}: expected an array, got {type(x).__name__}")
+    want = f"[{B} or 1, {N} or 1, {T}, {S}]"
+    if x.ndim != 4:
+        raise ValueError(f"{name}: expected rank 4 broadcastable to [batch, heads, q_seq, kv_seq]"
+                         f" = {want}, got shape {_shape(x)}")
+    b, n, t, s = x.shape
+    if b not in (1, B) or n not in (1, N) or t != T or s != S:
+        raise ValueError(f"{name}: expected shape {want}, got {_shape(x)}")
+    dt = jnp.dtype(x.dtype)
+    if kind == "mask" and dt != jnp.dtype(bool):
+        raise TypeError(f"mask: expected dtype bool (True = visible), got {dt}")
+    if kind == "bias" and not jnp.issubdtype(dt, jnp.floating):
+        raise TypeError(f"bias: expected a floating dtype, got {dt}")
+
+
+def _check_lengths(name, x, B, limit):
+    if x is None:
+        return None
+    if not hasattr(x, "shape"):
+        x = np.asarray(x)
+    if _shape(x) != (B,):
+        raise ValueError(f"{name}: expected shape [batch] = [{B}], got {_shape(x)}")
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        raise TypeError(f"{name}: expected an integer dtype, got {x.dtype}")
+    if not isinstance(x, jax.core.Tracer):
+        xs = np.asarray(x)
+        if (xs < 0).any() or (xs > limit).any():
+            raise ValueError(f"{name}: expected values in [0, {limit}], got {xs.tolist()}")
+    return jnp.asarray(x, jnp.int32)
+
+
+def _check_window(w):
+    if w is None:
+        return None
+    if isinstance(w, (int, np.integer)) and not isinstance(w, bool):
+        w = (int(w), int(w))
+    if not isinstance(w, (tuple, list)) or len(w) != 2:
+        raise TypeError(f"local_window_size: expected an int or a pair (left, right) of ints, got {w!r}")
+    out = []
+    for side, v in zip(("left", "right"), w):
+        if v is None:
+            out.append(None)
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+            raise TypeError(f"local_window_size: {side} must be an int >= 0 (or None), got {v!r}")
+        if v < 0:
+            raise ValueError(f"local_window_size: {side} must be >= 0, got {v}")
+        out.append(int(v))
+    return tuple(out)
+
+
+def _check_segments(seg, B, T, S):
+    if seg is None:
+        return None, None
+    if isinstance(seg, (tuple, list)):
+        if len(seg) != 2:
+            raise TypeError(f"segment_ids: expected one array [batch, seq] or a pair "
+                            f"(q_ids [batch, q_seq], kv_ids [batch, kv_seq]), got {len(seg)} items")
+        q_ids, kv_ids = seg
+    else:
+        if T != S:
+            raise ValueError(f"segment_ids: a single array needs q_seq == kv_seq, got q_seq={T}, "
+                             f"kv_seq={S}; pass a pair (q_ids, kv_ids)")
+        q_ids = kv_ids = seg
+    for name, x, L in (("segment_ids (query)", q_ids, T), ("segment_ids (key/value)", kv_ids, S)):
+        if not hasattr(x, "shape"):
+            raise TypeError(f"{name}: expected an array, got {type(x).__name__}")
+        if _shape(x) != (B, L):
+            raise ValueError(f"{name}: expected shape [batch, seq] = [{B}, {L}], got {_shape(x)}")
+        if not jnp.issubdtype(x.dtype, jnp.integer):
+            raise TypeError(f"{name}: expected an integer dtype, got {x.dtype}")
+    return jnp.asarray(q_ids, jnp.int32), jnp.asarray(kv_ids, jnp.int32)
+
+
+def validate(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
+             query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
+             segment_ids=None, logits_soft_cap=None):
+    """Check every argument once and return ``(query, key, value, spec)``.
+
+    Raises ``TypeError``/``ValueError`` naming the argument, the value given and what was
+    expected. Nothing is broadcast silently: mask and bias must be rank 4 with each of the
+    batch and head dimensions either full or 1.
+    """
+    _check_qkv(query, key, value)
+    query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
+    B, T, N, H = query.shape
+    _, S, K, _ = key.shape
+    if bias is not None:
+        _check_4d("bias", bias, B, N, T, S, "bias")
+        bias = jnp.asarray(bias)
+    if mask is not None:
+        _check_4d("mask", mask, B, N, T, S, "mask")
+        mask = jnp.asarray(mask)
+    if not isinstance(is_causal, (bool, np.bool_)):
+        raise TypeError(f"is_causal: expected a Python bool, got {is_causal!r}")
+    if scale is None:
+        scale = 1.0 / math.sqrt(H)
+    elif isinstance(scale, jax.core.Tracer) or not np.isscalar(scale) or isinstance(scale, bool):
+        raise TypeError(f"scale: expected a Python float, got {scale!r}")
+    elif not math.isfinite(float(scale)):
+        raise ValueError(f"scale: expected a finite number, got {scale!r}")
+    if logits_soft_cap is not None:
+        if isinstance(logits_soft_cap, bool) or not np.isscalar(logits_soft_cap):
+            raise TypeError(f"logits_soft_cap: expected a Python float > 0, got {logits_soft_cap!r}")
+        if not float(logits_soft_cap) > 0:
+            raise ValueError(f"logits_soft_cap: expected a float > 0, got {logits_soft_cap!r}")
+        logits_soft_cap = float(logits_soft_cap)
+    window = _check_window(local_window_size)
+    q_lengths = _check_lengths("query_seq_lengths", query_seq_lengths, B, T)
+    kv_lengths = _check_lengths("key_value_seq_lengths", key_value_seq_lengths, B, S)
+    q_seg, kv_seg = _check_segments(segment_ids, B, T, S)
+    spec = AttentionSpec(
+        batch=B, q_len=T, kv_len=S, num_heads=N, num_kv_heads=K, head_dim=H,
+        head_dim_v=value.shape[3], dtype=jnp.dtype(query.dtype), scale=float(scale),
+        is_causal=bool(is_causal), window=window, soft_cap=logits_soft_cap, bias=bias,
+        mask=mask, q_lengths=q_lengths, kv_lengths=kv_lengths, q_segment_ids=q_seg,
+        kv_segment_ids=kv_seg)
+    return query, key, value, spec

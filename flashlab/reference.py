@@ -1,0 +1,137 @@
+"""Rung 0: naive attention, and the float64 oracle every rung is tested against.
+
+``naive_attention`` materializes the ``[batch, heads, q_seq, kv_seq]`` score matrix on
+purpose: it is the algorithm as written in the paper, and the memory problem the rest of
+the book solves. Traffic, per (batch, head): read Q, K (2·N·d), write S (N²), read S and
+write P (2·N²), read P and V (N² + N·d), write O (N·d).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .masks import AttentionSpec, validate
+
+__all__ = ["naive_attention", "attention_from_spec", "oracle_attention"]
+
+
+def naive_attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
+                    query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
+                    segment_ids=None, logits_soft_cap=None):
+    """Softmax attention the textbook way.
+
+    Args:
+      query: ``[batch, q_seq, heads, head_dim]`` float array.
+      key, value: ``[batch, kv_seq, kv_heads, head_dim]``; ``heads`` a multiple of ``kv_heads``
+        (GQA/MQA: query head ``h`` reads kv head ``h // (heads // kv_heads)``).
+      bias: optional float ``[batch or 1, heads or 1, q_seq, kv_seq]`` added to the logits.
+      mask: optional bool, same shape rule; True = visible.
+      scale: logit scale, default ``1/sqrt(head_dim)``.
+      is_causal: key ``j`` visible from query ``i`` only if ``j <= i``.
+      query_seq_lengths, key_value_seq_lengths: optional int ``[batch]`` valid lengths.
+      local_window_size: int ``w`` or pair ``(left, right)``: keys ``i-left .. i+right``.
+      segment_ids: int ``[batch, seq]`` (self-attention) or a pair ``(q_ids, kv_ids)``;
+        tokens see only keys of their own segment.
+      logits_soft_cap: ``c > 0``: logits become ``c * tanh(logits / c)`` after scaling.
+
+    Returns:
+      ``[batch, q_seq, heads, head_dim]`` in the query's dtype. A query row with no visible
+      key is all zeros, and its gradients are zeros.
+    """
+    query, key, value, spec = validate(
+        query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+        query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+        local_window_size=local_window_size, segment_ids=segment_ids,
+        logits_soft_cap=logits_soft_cap)
+    return attention_from_spec(query, key, value, spec)
+
+
+def attention_from_spec(query, key, value, spec: AttentionSpec):
+    """Naive attention on already validated inputs (what backends call)."""
+    B, T, N, H = query.shape
+    S, K = key.shape[1], key.shape[2]
+    G = N // K
+    q = query.reshape(B, T, K, G, H)
+    acc = jnp.promote_types(query.dtype, jnp.float32)   # float32, or float64 under x64
+    precision = None if jnp.dtype(query.dtype).itemsize < 4 else jax.lax.Precision.HIGHEST
+    # s: [B, K, G, T, S] -- the full score matrix, accumulated in float32.
+    s = jnp.einsum("btkgh,bskh->bkgts", q, key, preferred_element_type=acc,
+                   precision=precision) * spec.scale
+    s = s.reshape(B, N, T, S)
+    if spec.soft_cap is not None:
+        s = spec.soft_cap * jnp.tanh(s / spec.soft_cap)
+    if spec.bias is not None:
+        s = s + spec.bias.astype(acc)
+    vis = spec.visible(jnp.arange(T)[:, None], jnp.arange(S)[None, :])  # [B|1, 1, T, S]
+    if spec.mask is not None:
+        vis = vis & spec.mask
+    s = jnp.where(vis, s, -jnp.inf)
+    m = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp(s - m)                                   # [B, N, T, S]; masked -> 0
+    l = jnp.sum(p, axis=-1, keepdims=True)
+    p = p / jnp.where(l > 0, l, 1.0)                     # fully masked rows stay 0
+    # P in the value dtype for the second matmul (bf16 x bf16 -> f32 on the MXU).
+    p = p.reshape(B, K, G, T, S).astype(jnp.promote_types(value.dtype, jnp.float32)
+                                        if jnp.dtype(value.dtype).itemsize >= 4 else value.dtype)
+    o = jnp.einsum("bkgts,bskh->btkgh", p, value, preferred_element_type=acc,
+                   precision=precision)
+    return o.reshape(B, T, N, value.shape[3]).astype(query.dtype)
+
+
+def oracle_attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
+                     query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
+                     segment_ids=None, logits_soft_cap=None, return_lse=False):
+    """Float64 NumPy attention, written independently of the JAX code paths: the truth.
+
+    Same arguments and layout as :func:`naive_attention` (inputs are converted to float64
+    NumPy). Returns ``[batch, q_seq, heads, head_dim]`` float64 (and ``lse [batch, heads,
+    q_seq]`` with ``return_lse``). Rows with no visible key are zeros (lse ``-inf``).
+    """
+    q, k, v = (np.asarray(x, np.float64) for x in (query, key, value))
+    B, T, N, H = q.shape
+    S, K = k.shape[1], k.shape[2]
+    G = N // K
+    scale = 1.0 / np.sqrt(H) if scale is None else float(scale)
+    k = np.repeat(k, G, axis=2)                                 # [B, S, N, H]
+    v = np.repeat(v, G, axis=2)
+    s = np.einsum("bthd,bshd->bhts", q, k) * scale
+    if logits_soft_cap is not None:
+        s = logits_soft_cap * np.tanh(s / logits_soft_cap)
+    if bias is not None:
+        s = s + np.asarray(bias, np.float64)
+    vis = np.ones((B, N, T, S), bool)
+    i = np.arange(T)[:, None]
+    j = np.arange(S)[None, :]
+    if mask is not None:
+        vis &= np.asarray(mask, bool)
+    if is_causal:
+        vis &= j <= i
+    if local_window_size is not None:
+        w = local_window_size
+        left, right = (w, w) if np.isscalar(w) else w
+        if left is not None:
+            vis &= j >= i - left
+        if right is not None:
+            vis &= j <= i + right
+    if query_seq_lengths is not None:
+        vis &= (i[None] < np.asarray(query_seq_lengths)[:, None, None])[:, None]
+    if key_value_seq_lengths is not None:
+        vis &= (j[None] < np.asarray(key_value_seq_lengths)[:, None, None])[:, None]
+    if segment_ids is not None:
+        qs, ks = segment_ids if isinstance(segment_ids, (tuple, list)) else (segment_ids,) * 2
+        qs, ks = np.asarray(qs), np.asarray(ks)
+        vis &= (qs[:, :, None] == ks[:, None, :])[:, None]
+    s = np.where(vis, s, -np.inf)
+    m = s.max(axis=-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0.0)
+    p = np.where(vis, np.exp(s - m), 0.0)
+    l = p.sum(axis=-1, keepdims=True)
+    p = p / np.where(l > 0, l, 1.0)
+    out = np.einsum("bhts,bshd->bthd", p, v)
+    if return_lse:
+        with np.errstate(divide="ignore"):
+            lse = np.where(l[..., 0] > 0, m[..., 0] + np.log(np.where(l[..., 0] > 0, l[..., 0], 1)), -np.inf)
+        return out, lse
+    return out
