@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import Any
 
 import jax
@@ -321,12 +322,12 @@ def validate(query, key, value, bias=None, mask=None, *, scale=None, is_causal=F
         raise TypeError(f"is_causal: expected a Python bool, got {is_causal!r}")
     if scale is None:
         scale = 1.0 / math.sqrt(H)
-    elif isinstance(scale, jax.core.Tracer) or not np.isscalar(scale) or isinstance(scale, bool):
+    elif isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(f"scale: expected a Python float, got {scale!r}")
     elif not math.isfinite(float(scale)):
         raise ValueError(f"scale: expected a finite number, got {scale!r}")
     if logits_soft_cap is not None:
-        if isinstance(logits_soft_cap, bool) or not np.isscalar(logits_soft_cap):
+        if isinstance(logits_soft_cap, bool) or not isinstance(logits_soft_cap, numbers.Real):
             raise TypeError(f"logits_soft_cap: expected a Python float > 0, got {logits_soft_cap!r}")
         if not float(logits_soft_cap) > 0:
             raise ValueError(f"logits_soft_cap: expected a float > 0, got {logits_soft_cap!r}")

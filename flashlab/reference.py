@@ -135,3 +135,28 @@ def oracle_attention(query, key, value, bias=None, mask=None, *, scale=None, is_
             lse = np.where(l[..., 0] > 0, m[..., 0] + np.log(np.where(l[..., 0] > 0, l[..., 0], 1)), -np.inf)
         return out, lse
     return out
+
+
+def naive_hbm_bytes(*, batch: int, heads: int, q_len: int, kv_len: int, head_dim: int,
+                    bytes_per_element: int, score_bytes: int = 4) -> dict[str, int]:
+    """Memory traffic of :func:`naive_attention` when every step goes through HBM.
+
+    The textbook algorithm makes these passes per (batch, head), with ``N = q_len``,
+    ``M = kv_len``, ``d = head_dim``:
+
+    ========  ======================================  ==========================
+    step      reads                                   writes
+    ========  ======================================  ==========================
+    S = QKᵀ   Q (N·d), K (M·d)                        S (N·M, ``score_bytes``)
+    P = sm(S) S (N·M)                                 P (N·M)
+    O = PV    P (N·M), V (M·d)                        O (N·d)
+    ========  ======================================  ==========================
+
+    Masking and scaling are assumed fused into the softmax pass (a real unfused
+    implementation makes more passes). Returns bytes per term and the ``"total"``.
+    """
+    bh = batch * heads
+    e, s = bytes_per_element, score_bytes
+    qkvo = bh * (2 * q_len * head_dim + 2 * kv_len * head_dim) * e
+    scores = bh * 4 * q_len * kv_len * s
+    return {"q_k_v_o": qkvo, "scores": scores, "total": qkvo + scores}

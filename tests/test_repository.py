@@ -1,0 +1,82 @@
+"""The book, the notebooks and the README agree with each other and with pyproject.toml."""
+import json
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+REPO_URL = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["urls"]["Repository"]
+OWNER_REPO = REPO_URL.removeprefix("https://github.com/")
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+
+
+def _cells(path):
+    return json.loads(path.read_text())["cells"]
+
+
+def test_there_are_notebooks():
+    assert len(NOTEBOOKS) >= 2
+
+
+@pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_conventions(nb):
+    assert nb.stat().st_size < 1_000_000, "notebooks must stay under 1 MB"
+    cells = _cells(nb)
+    first = cells[0]
+    assert first["cell_type"] == "code" and "nbval-skip" in first["metadata"].get("tags", [])
+    src = "".join(first["source"])
+    assert '"google.colab" in sys.modules' in src
+    assert f"git+{REPO_URL}" in src, "install cell must use the repository URL of pyproject.toml"
+    title = "".join(cells[1]["source"])
+    assert title.startswith(f"# {nb.name[:2]} ·")
+    badge = f"https://colab.research.google.com/github/{OWNER_REPO}/blob/main/notebooks/{nb.name}"
+    assert badge in title, f"Colab badge must point at {badge}"
+    assert "**You will learn**" in title
+    text = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
+    assert "## Takeaways" in text and "## Exercises" in text
+    assert text.count("<summary>Answer</summary>") >= 2
+    for c in cells:
+        if c["cell_type"] == "code":
+            code = "".join(c["source"])
+            # library code is imported, never defined in a notebook at top level
+            assert not re.search(r"^def \w+\(.*\):\n(?:    .*\n){25,}", code, re.M), "long function in a notebook"
+        assert "execution" not in c["metadata"]
+    assert "widgets" not in json.loads(nb.read_text())["metadata"]
+
+
+def test_every_notebook_is_in_the_book_and_the_readme():
+    toc = (ROOT / "book" / "_toc.yml").read_text()
+    readme = (ROOT / "README.md").read_text()
+    for nb in NOTEBOOKS:
+        assert f"file: notebooks/{nb.stem}" in toc, f"{nb.name} missing from book/_toc.yml"
+        assert f"https://colab.research.google.com/github/{OWNER_REPO}/blob/main/notebooks/{nb.name}" in readme
+
+
+def test_book_config_uses_the_repository_url():
+    cfg = (ROOT / "book" / "_config.yml").read_text()
+    assert f"url: {REPO_URL}" in cfg
+    assert "colab_url: https://colab.research.google.com" in cfg
+    assert 'execute_notebooks: "off"' in cfg
+
+
+def test_every_repository_url_in_the_docs_is_the_same():
+    found = set()
+    for path in [ROOT / "README.md", ROOT / "book" / "intro.md", *NOTEBOOKS]:
+        found |= set(re.findall(r"github\.com/([\w.-]+/[\w.-]+?)(?:/|\"|\)|\s|$)", path.read_text()))
+    assert found == {OWNER_REPO}, found
+
+
+def _readme_python_blocks():
+    return re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+
+
+@pytest.mark.parametrize("i", range(len(_readme_python_blocks())))
+def test_readme_code_blocks_run(i, tmp_path):
+    code = _readme_python_blocks()[i]
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=600, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr
