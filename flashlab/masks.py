@@ -99,6 +99,20 @@ class AttentionSpec:
             f.add("cross_attention")
         return f
 
+    def dense_visible(self):
+        """Everything that restricts visibility, as one dense bool array ``[B|1, H|1, Tq, Tk]``.
+
+        Combines the structural masks (:meth:`visible` at every position) with the dense
+        ``mask``. The batch dimension is 1 when nothing depends on the batch row, the head
+        dimension is 1 unless the dense mask is per head. For adapters of backends that take
+        a dense mask (and to find the rows with no visible key: ``dense_visible().any(-1)``).
+        """
+        vis = self.visible(jnp.arange(self.q_len)[:, None], jnp.arange(self.kv_len)[None, :])
+        vis = jnp.broadcast_to(vis, (*(1,) * (4 - vis.ndim), *vis.shape))  # [B|1, 1, Tq, Tk]
+        if self.mask is not None:
+            vis = vis & self.mask
+        return vis
+
     def visible(self, q_pos, k_pos, batch_index=None):
         """Structural visibility (everything except the dense ``mask``) at given positions.
 

@@ -1,0 +1,151 @@
+"""flashlab.attention: one contract, many backends.
+
+``attention`` is a drop-in for ``jax.nn.dot_product_attention`` (same layout
+``[batch, seq, heads, head_dim]``, same argument names and meanings) plus flashlab's
+``segment_ids``, ``logits_soft_cap`` and ``backend``. It validates once
+(:func:`flashlab.masks.validate`), asks the registry which backend serves the request
+(:func:`flashlab.registry.choose`) and hands that backend the one normalised
+:class:`~flashlab.masks.AttentionSpec`. ``as_flax_attention_fn`` wraps it in Flax's
+``attention_fn`` signature.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import registry
+from .masks import validate
+
+__all__ = ["attention", "explain", "as_flax_attention_fn"]
+
+
+def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
+              query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
+              segment_ids=None, logits_soft_cap=None, backend: str = "auto", interpret=None,
+              explain: bool = False):
+    """Scaled dot-product attention through the backend that suits the request.
+
+    Args:
+      query: ``[batch, q_seq, heads, head_dim]`` float array.
+      key, value: ``[batch, kv_seq, kv_heads, head_dim]``; ``heads`` a multiple of
+        ``kv_heads`` (GQA/MQA: query head ``h`` reads kv head ``h // (heads // kv_heads)``).
+      bias: optional float ``[batch or 1, heads or 1, q_seq, kv_seq]`` added to the logits.
+      mask: optional bool, same shape rule; True = visible.
+      scale: logit scale, default ``1/sqrt(head_dim)``.
+      is_causal: key ``j`` visible from query ``i`` only if ``j <= i`` (top-left aligned).
+      query_seq_lengths, key_value_seq_lengths: optional int ``[batch]`` valid lengths.
+      local_window_size: int ``w`` or pair ``(left, right)``: keys ``i-left .. i+right``.
+      segment_ids: int ``[batch, seq]`` or a pair ``(q_ids, kv_ids)``.
+      logits_soft_cap: ``c > 0``: logits become ``c * tanh(logits / c)`` after scaling.
+      backend: ``"auto"`` or a name from :func:`flashlab.backends`.
+      interpret: Pallas backends off their platform: ``None`` = the backend's default (our
+        kernels interpret, the official TPU kernels refuse), ``True`` = interpret (official
+        kernels: TPU interpret mode), or a ``pltpu.InterpretParams``.
+      explain: also return the :class:`flashlab.registry.Choice` (which backend and why).
+
+    Returns:
+      ``[batch, q_seq, heads, value_head_dim]`` in the query's dtype (and the ``Choice`` when
+      ``explain=True``). A query row with no visible key is all zeros, with zero gradients.
+
+    Raises:
+      TypeError/ValueError: bad input (names the argument, what it got and what it wanted).
+      NotImplementedError: the named backend's declaration excludes this request (names the
+        feature and the backends that support it).
+    """
+    q, k, v, spec = validate(
+        query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+        query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+        local_window_size=local_window_size, segment_ids=segment_ids,
+        logits_soft_cap=logits_soft_cap)
+    choice = registry.choose(spec, backend, interpret=interpret)
+    out = registry.get(choice.backend).fn(q, k, v, spec, interpret=interpret)
+    return (out, choice) if explain else out
+
+
+def explain(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
+            query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
+            segment_ids=None, logits_soft_cap=None, backend: str = "auto",
+            interpret=None) -> registry.Choice:
+    """Which backend :func:`attention` would use for these arguments, and why (runs nothing).
+
+    Arrays may be ``jax.ShapeDtypeStruct``-like stand-ins only where validation can read
+    shapes and dtypes; pass real arrays for lengths/segments if you want them value-checked.
+    """
+    _, _, _, spec = validate(
+        query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+        query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+        local_window_size=local_window_size, segment_ids=segment_ids,
+        logits_soft_cap=logits_soft_cap)
+    return registry.choose(spec, backend, interpret=interpret)
+
+
+# ----------------------------------------------------------------------------- Flax adapter
+
+def _flax_to_4d(name, x, batch_shape, N, T, S):
+    """Flax's broadcastable ``[batch..., heads, q, kv]`` mask/bias -> our ``[B|1, N|1, T, S]``.
+
+    Flax documents these as *broadcastable*; we broadcast only the q/kv dims of size 1 and
+    the leading batch dims, and refuse anything else with a message naming the shape.
+    """
+    if x is None:
+        return None
+    x = jnp.asarray(x)
+    nb = len(batch_shape)
+    want = f"broadcastable to [{', '.join(map(str, batch_shape))}, {N}, {T}, {S}]"
+    if x.ndim > nb + 3:
+        raise ValueError(f"{name}: expected rank <= {nb + 3} ({want}), got shape {x.shape}")
+    x = x.reshape((1,) * (nb + 3 - x.ndim) + x.shape)
+    for got, full, what in zip(x.shape, (*batch_shape, N, T, S),
+                               [f"batch dim {i}" for i in range(nb)] + ["heads", "q", "kv"]):
+        if got not in (1, full):
+            raise ValueError(f"{name}: {what} must be 1 or {full} ({want}), got shape {x.shape}")
+    b_all_one = all(d == 1 for d in x.shape[:nb])
+    x = jnp.broadcast_to(x, (*(x.shape[:nb] if b_all_one else batch_shape), x.shape[nb], T, S))
+    B = 1 if b_all_one else int(np.prod(batch_shape))
+    return x.reshape(B, x.shape[-3], T, S)
+
+
+def as_flax_attention_fn(backend: str = "auto", **attention_kwargs):
+    """A callable with Flax's ``attention_fn`` signature that runs :func:`attention`.
+
+    Use as ``nnx.MultiHeadAttention(..., attention_fn=flashlab.as_flax_attention_fn())``.
+    Applies Flax's ``mask`` (bool or 0/1, broadcastable to ``[batch..., heads, q, kv]``) and
+    ``bias``; casts to ``dtype`` like Flax; refuses dropout (``dropout_rate > 0`` while not
+    ``deterministic``) and weight sowing (``module``), which need the attention weights that
+    flash attention never materializes. ``attention_kwargs`` (e.g. ``logits_soft_cap``) are
+    passed to every call.
+    """
+
+    def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout=True,
+                     dropout_rng=None, dropout_rate=0.0, deterministic=False, dtype=None,
+                     precision=None, module=None, promote_dtype=None, is_causal=False):
+        if dropout_rate > 0.0 and not deterministic:
+            raise NotImplementedError(
+                f"flashlab attention_fn: dropout_rate={dropout_rate} with deterministic=False "
+                "needs the attention weights, which flash attention never materializes; use "
+                "dropout_rate=0.0 or deterministic=True")
+        if module is not None:
+            raise NotImplementedError(
+                "flashlab attention_fn: module= (sow_weights=True) needs the attention "
+                "weights, which flash attention never materializes; use sow_weights=False")
+        if dtype is not None:
+            query, key, value = (jnp.asarray(x, dtype) for x in (query, key, value))
+        elif promote_dtype is not None:
+            query, key, value = promote_dtype((query, key, value), dtype=dtype)
+        batch_shape = query.shape[:-3]
+        T, N = query.shape[-3], query.shape[-2]
+        S = key.shape[-3]
+        if mask is not None:
+            mask = jnp.asarray(mask)
+            mask = mask if mask.dtype == jnp.bool_ else mask != 0
+        mask = _flax_to_4d("mask", mask, batch_shape, N, T, S)
+        bias = _flax_to_4d("bias", bias, batch_shape, N, T, S)
+        flat = lambda x: x.reshape((-1, *x.shape[-3:]))
+        if len(batch_shape) != 1:
+            query, key, value = flat(query), flat(key), flat(value)
+        out = attention(query, key, value, bias, mask, is_causal=is_causal, backend=backend,
+                        **attention_kwargs)
+        return out.reshape((*batch_shape, *out.shape[-3:]))
+
+    return attention_fn
