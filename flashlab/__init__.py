@@ -1,15 +1,28 @@
 """flashlab: FlashAttention on TPU, built rung by rung, ending in a kernel you can import.
 
 Layout everywhere is ``[batch, seq, heads, head_dim]`` with ``jax.nn.dot_product_attention``'s
-argument names. See the book for the story and ``README.md`` for the quickstart.
+argument names. ``flashlab.attention(...)`` is the contract; ``flashlab.backends()`` lists what
+can serve it. See the book for the story and ``README.md`` for the quickstart.
 """
 from . import device, masks, online_softmax, reference
+from . import adapters, api, registry
+from . import comm_model, distributed, ring_layout
+from .api import as_flax_attention_fn, attention, explain
+from .distributed import ring_attention, sharded_attention
 from .masks import AttentionSpec, validate
 from .reference import naive_attention, oracle_attention
+from .registry import backends
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "AttentionSpec", "validate", "naive_attention", "oracle_attention",
-    "device", "masks", "online_softmax", "reference",
+    # the contract
+    "attention", "explain", "backends", "as_flax_attention_fn",
+    # the rungs
+    "naive_attention", "oracle_attention", "sharded_attention", "ring_attention",
+    # validation and the one mask description
+    "AttentionSpec", "validate",
+    # modules
+    "device", "masks", "online_softmax", "reference", "registry", "api", "adapters",
+    "distributed", "ring_layout", "comm_model",
 ]
