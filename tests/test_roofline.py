@@ -41,7 +41,9 @@ def test_flash_has_higher_intensity_and_a_lower_bound():
     for name in ("v5e", "v6e", "A100"):
         p = roofline.algorithm_points(name, batch=4, heads=16, seq_len=4096, head_dim=128)
         # standard ≈ d·e/2 FLOPs/byte (S, P in HBM); flash ≈ block_q (K, V once per row block)
-        assert p["flash"]["intensity"] > 5 * p["standard"]["intensity"]
+        # (on the A100 the paper's model with 192 KB SRAM gives small blocks: only ~2x)
+        factor = 5 if roofline.chip(name).kind == "tpu" else 1.5
+        assert p["flash"]["intensity"] > factor * p["standard"]["intensity"]
         assert p["flash"]["seconds"] < p["standard"]["seconds"]
         assert p["standard"]["bound"] == "memory"
         assert p["flash"]["flops_per_s"] <= roofline.chip(name).bf16_flops * (1 + 1e-9)
