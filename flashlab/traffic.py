@@ -496,11 +496,15 @@ def forward_closed_form_bytes(*, batch: int, heads: int, seq_len: int, head_dim:
 def kernel_grid(kernel: str, *, batch: int, heads: int, seq_len: int, head_dim: int, dtype,
                 block_q: int, block_k: int, is_causal: bool = False,
                 kv_seq_len: int | None = None, kv_heads: int | None = None,
-                **kernel_kwargs) -> KernelGrid:
+                local_window_size=None, return_lse: bool = False,
+                head_dim_v: int | None = None) -> KernelGrid:
     """The :class:`KernelGrid` of one of flashlab's Pallas kernels, from the kernel itself.
 
-    ``kernel="forward"`` asks ``flashlab.kernels`` for the grid and BlockSpecs its
-    ``pallas_call`` uses. ``kernel="backward"``: there is no backward kernel yet.
+    ``kernel="forward"``: the grid, BlockSpecs, operand shapes (padded to whole blocks and
+    to 128 lanes, as the kernel pads them), scratch and scalar-prefetch lengths that
+    :func:`flashlab.kernels.forward.forward_grid_spec` builds for ``pallas_call`` — the same
+    objects, with the kernel's own block-size checks (``make_config``).
+    ``kernel="backward"``: there is no Pallas backward kernel yet: ``NotImplementedError``.
     """
     if kernel == "backward":
         raise NotImplementedError(
@@ -510,27 +514,47 @@ def kernel_grid(kernel: str, *, batch: int, heads: int, seq_len: int, head_dim: 
     if kernel != "forward":
         raise ValueError(f"kernel: expected 'forward' or 'backward', got {kernel!r}")
     try:
-        from .kernels import forward_grid_spec  # the kernel's own schedule as data
-    except ImportError as err:
-        raise NotImplementedError(
-            "kernel='forward': flashlab.kernels.forward_grid_spec is not available in this "
-            f"checkout ({err})") from err
+        from .kernels import forward as kfwd
+    except ImportError as err:       # a checkout without the kernel rung
+        raise NotImplementedError(f"kernel='forward': flashlab.kernels is not available ({err})"
+                                  ) from err
+    from .masks import AttentionSpec
+    import jax.numpy as jnp
     dt = _np_dtype(dtype)
-    return forward_grid_spec(batch=batch, heads=heads, seq_len=seq_len, head_dim=head_dim,
-                             dtype=dt, block_q=block_q, block_k=block_k, is_causal=is_causal,
-                             kv_seq_len=kv_seq_len, kv_heads=kv_heads, **kernel_kwargs)
+    kv_len = seq_len if kv_seq_len is None else kv_seq_len
+    window = None
+    if local_window_size is not None:
+        w = local_window_size
+        window = (w, w) if isinstance(w, (int, np.integer)) else tuple(w)
+    spec = AttentionSpec(batch=batch, q_len=seq_len, kv_len=kv_len, num_heads=heads,
+                         num_kv_heads=heads if kv_heads is None else kv_heads,
+                         head_dim=head_dim, head_dim_v=head_dim if head_dim_v is None else head_dim_v,
+                         dtype=dt, scale=1.0 / math.sqrt(head_dim), is_causal=bool(is_causal),
+                         window=window, soft_cap=None)
+    cfg = kfwd.make_config(spec, block_q=block_q, block_k=block_k, return_lse=return_lse)
+    gs = kfwd.forward_grid_spec(cfg)
+    # the scalar-prefetch operands the wrapper passes: full q and kv lengths per batch row
+    lengths = (np.full((batch,), seq_len, np.int32), np.full((batch,), kv_len, np.int32))
+    scratch = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in gs.scratch_shapes)
+    return from_block_specs(gs.grid, gs.in_specs, gs.out_specs, gs.in_shapes, gs.out_shapes,
+                            in_names=gs.in_names, out_names=gs.out_names,
+                            scalar_prefetch=lengths[:gs.num_scalar_prefetch],
+                            scratch_bytes=scratch, name="flashlab_flash_forward")
 
 
 def kernel_hbm_bytes(kernel: str, *, batch: int, heads: int, seq_len: int, head_dim: int,
                      dtype, block_q: int, block_k: int, is_causal: bool = False,
                      kv_seq_len: int | None = None, kv_heads: int | None = None,
-                     **kernel_kwargs) -> dict[str, int]:
+                     local_window_size=None, return_lse: bool = False) -> dict[str, int]:
     """HBM bytes per operand of a flashlab Pallas kernel, by replaying its grid + BlockSpecs.
 
-    ``dtype``: a dtype or its name (``"bfloat16"``). Returns ``{operand name: bytes}`` plus
-    ``"read"``, ``"written"`` and ``"total"``. See :func:`replay` for the pipeline rule.
+    ``dtype``: a dtype or its name (``"bfloat16"``). Returns ``{operand name: bytes}`` (``q``,
+    ``k``, ``v``, ``o`` and, with ``return_lse``, ``lse``) plus ``"read"``, ``"written"`` and
+    ``"total"``. The bytes are those of the kernel's padded operands: a head_dim below 128
+    is padded to 128 lanes and moves as 128. See :func:`replay` for the pipeline rule.
     """
     kg = kernel_grid(kernel, batch=batch, heads=heads, seq_len=seq_len, head_dim=head_dim,
                      dtype=dtype, block_q=block_q, block_k=block_k, is_causal=is_causal,
-                     kv_seq_len=kv_seq_len, kv_heads=kv_heads, **kernel_kwargs)
+                     kv_seq_len=kv_seq_len, kv_heads=kv_heads,
+                     local_window_size=local_window_size, return_lse=return_lse)
     return {k: v["bytes"] for k, v in replay(kg).items()}
