@@ -1,4 +1,6 @@
 """ipywidgets explorers of the book; each has a static figure in :mod:`flashlab.viz` beside it."""
+from .pipeline import pipeline_widget
 from .ring import ring_widget
+from .traffic import tile_schedule_widget, traffic_explorer
 
-__all__ = ["ring_widget"]
+__all__ = ["pipeline_widget", "ring_widget", "tile_schedule_widget", "traffic_explorer"]
