@@ -40,7 +40,7 @@ __all__ = ["tiled_attention", "tiled_attention_from_spec", "tiled_attention_with
 # Tuned on a 2-core x86 CPU (fp32, B=1, 8 heads, d=64; see flashlab.bench_tiled): large tiles
 # amortize the per-iteration loop overhead and keep the two matmuls per tile efficient.
 DEFAULT_BLOCK_Q = 512
-DEFAULT_BLOCK_K = 1024
+DEFAULT_BLOCK_K = 512
 
 
 # ----------------------------------------------------------------------------- public API
