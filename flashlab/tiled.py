@@ -84,10 +84,16 @@ def tiled_attention_with_lse_from_spec(query, key, value, spec: AttentionSpec, *
     lse cotangent adds ``P ∘ dlse`` to dS), so states of disjoint key sets can be merged
     outside (ring attention) and still be trained through.
     """
+    bq, bk = _block_sizes(block_q, block_k, query.shape[1], key.shape[1])
+    return _with_lse(query, key, value, spec, bq, bk)
+
+
+@functools.partial(jax.jit, static_argnums=(4, 5))
+def _with_lse(query, key, value, spec: AttentionSpec, bq: int, bk: int):
+    # Jitted as a whole: one compilation per shape/spec instead of eager op-by-op dispatch.
     B, T, N, H = query.shape
     S, K, Hv = key.shape[1], key.shape[2], value.shape[3]
     G = N // K
-    bq, bk = _block_sizes(block_q, block_k, T, S)
     cfg = _Config(T=T, S=S, bq=bq, bk=bk, scale=spec.scale, soft_cap=spec.soft_cap,
                   is_causal=spec.is_causal, window=spec.window,
                   bias_shape=None if spec.bias is None else tuple(spec.bias.shape))
