@@ -1,0 +1,278 @@
+"""``python -m flashlab bench tiled``: the tiled rung against naive and XLA attention on CPU.
+
+Every configuration runs in a fresh subprocess, so that its peak resident memory (the child
+reports its own ``ru_maxrss``) belongs to that configuration alone, and ratios are taken
+between numbers measured in the same run. fp32, batch 1, 8 heads, head_dim 64.
+
+Targets (2-core x86 CPU): forward at N=8192 >= 5x naive; N=16384 >= 8x naive and peak RSS
+<= 1 GB; N=4096 >= 2.5x ``jax.nn.dot_product_attention(implementation="xla")``; forward
+FLOP rate >= 60% of this machine's fp32 matmul rate; causal <= 0.6x non-causal;
+fwd+bwd at N=4096 <= 4x the forward; peak RSS of fwd+bwd at N=8192 <= 1.5 GB.
+
+Options: ``--quick`` (small N, under a minute), ``--json PATH`` (write all results).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+
+__all__ = ["main", "run_child", "mem_available_bytes"]
+
+HEADS, HEAD_DIM, BATCH = 8, 64, 1
+GB = 1e9
+
+
+def mem_available_bytes() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+# ----------------------------------------------------------------------------- child side
+
+def run_child(cfg: dict) -> dict:
+    """Run one configuration in this process and return its measurements."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from flashlab import measure
+    from flashlab.reference import naive_attention
+    from flashlab.tiled import tiled_attention
+
+    kind, n, repeats = cfg["kind"], cfg["n"], cfg.get("repeats", 3)
+    if kind == "matmul":
+        a = jnp.asarray(np.random.default_rng(0).standard_normal((n, n)), jnp.float32)
+        f = jax.jit(lambda a: a @ a)
+        t = measure.time_fn(f, a, repeats=max(repeats, 5))
+        return {"seconds": t, "flops": 2.0 * n ** 3}
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.standard_normal((BATCH, n, HEADS, HEAD_DIM)), jnp.float32)
+               for _ in range(3))
+    causal = cfg.get("causal", False)
+    impl = cfg["impl"]
+    if impl == "tiled":
+        bq, bk = cfg.get("block_q"), cfg.get("block_k")
+        attn = lambda q, k, v: tiled_attention(q, k, v, is_causal=causal, block_q=bq, block_k=bk)
+    elif impl == "naive":
+        attn = lambda q, k, v: naive_attention(q, k, v, is_causal=causal)
+    elif impl == "xla":
+        attn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
+                                                            implementation="xla")
+    else:
+        raise ValueError(f"impl: unknown {impl!r}")
+    if kind == "fwd":
+        f = jax.jit(attn)
+    elif kind == "fwdbwd":
+        f = jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(attn(q, k, v)), argnums=(0, 1, 2)))
+    else:
+        raise ValueError(f"kind: unknown {kind!r}")
+    t = measure.time_fn(f, q, k, v, repeats=repeats)
+    flops = 4.0 * BATCH * HEADS * n * n * HEAD_DIM * (0.5 if causal else 1.0)
+    return {"seconds": t, "flops": flops}
+
+
+def _child_main(cfg_json: str) -> int:
+    cfg = json.loads(cfg_json)
+    res = run_child(cfg)
+    res["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print("RESULT " + json.dumps(res), flush=True)
+    return 0
+
+
+# ----------------------------------------------------------------------------- parent side
+
+def _spawn(cfg: dict, timeout: float = 1800) -> dict:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "flashlab.bench_tiled", "--child",
+                           json.dumps(cfg)], capture_output=True, text=True, env=env,
+                          timeout=timeout)
+    wall = time.perf_counter() - t0
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            out = dict(cfg, **json.loads(line[7:]), wall_s=wall)
+            return out
+    tail = (proc.stderr or proc.stdout)[-600:]
+    return dict(cfg, error=f"child exited {proc.returncode}: {tail}", wall_s=wall)
+
+
+def _label(c):
+    s = f"{c['kind']:6s} {c['impl']:5s} N={c['n']:<6d}"
+    if c.get("causal"):
+        s += " causal"
+    return s
+
+
+def plan(quick: bool) -> list[dict]:
+    """The configurations to run (dicts understood by :func:`run_child`)."""
+    if quick:
+        ns, big = (512, 1024), 1024
+        cfgs = [dict(kind="matmul", impl="-", n=1024)]
+        for n in ns:
+            cfgs += [dict(kind="fwd", impl=i, n=n) for i in ("tiled", "naive", "xla")]
+        cfgs += [dict(kind="fwd", impl="tiled", n=big, causal=True),
+                 dict(kind="fwdbwd", impl="tiled", n=big)]
+        return cfgs
+    cfgs = [dict(kind="matmul", impl="-", n=2048)]
+    for n in (512, 1024, 2048, 4096):                       # crossover xla vs tiled
+        cfgs += [dict(kind="fwd", impl="tiled", n=n), dict(kind="fwd", impl="xla", n=n)]
+    cfgs += [dict(kind="fwd", impl="tiled", n=8192), dict(kind="fwd", impl="naive", n=8192),
+             dict(kind="fwd", impl="tiled", n=8192, causal=True),
+             dict(kind="fwd", impl="tiled", n=16384), dict(kind="fwd", impl="naive", n=16384),
+             dict(kind="fwdbwd", impl="tiled", n=4096), dict(kind="fwdbwd", impl="tiled", n=8192)]
+    return cfgs
+
+
+def _need_bytes(c) -> float:
+    """Rough RAM a configuration needs (naive holds a few N×N float32 arrays per head)."""
+    if c["impl"] in ("naive", "xla"):
+        return 2.5 * BATCH * HEADS * c["n"] ** 2 * 4 + 1 * GB
+    return 2 * GB
+
+
+def run(quick: bool = False, progress=print) -> dict:
+    results = []
+    cfgs = plan(quick)
+    for idx, c in enumerate(cfgs, 1):
+        need = _need_bytes(c)
+        avail = mem_available_bytes()
+        if c["impl"] == "naive" and c["n"] >= 16384 and avail < 20 * GB:
+            r = dict(c, skipped=f"MemAvailable {avail / GB:.1f} GB < 20 GB needed for naive at "
+                                f"N={c['n']} (~{need / GB:.0f} GB of score matrices)")
+        elif avail < need:
+            r = dict(c, skipped=f"MemAvailable {avail / GB:.1f} GB < {need / GB:.1f} GB needed")
+        else:
+            progress(f"[{idx}/{len(cfgs)}] {_label(c)} ...", end=" ", flush=True)
+            r = _spawn(c)
+            if "error" in r:
+                progress("error")
+            else:
+                progress(f"{r['seconds'] * 1e3:9.1f} ms  {r['flops'] / r['seconds'] / 1e9:6.1f} "
+                         f"GFLOP/s  peak RSS {r['peak_rss_bytes'] / GB:.2f} GB")
+            results.append(r)
+            continue
+        progress(f"[{idx}/{len(cfgs)}] {_label(c)} skipped: {r['skipped']}")
+        results.append(r)
+    return {"machine": _machine(), "date": datetime.date.today().isoformat(), "quick": quick,
+            "results": results, "targets": targets(results)}
+
+
+def _machine() -> str:
+    import jax
+    return (f"{platform.machine()} {os.cpu_count()} cores, {platform.processor() or 'cpu'}, "
+            f"jax {jax.__version__}, load avg {os.getloadavg()[0]:.1f}")
+
+
+def _find(results, **kw):
+    for r in results:
+        if all(r.get(k, False if k == "causal" else None) == v for k, v in kw.items()) \
+                and "seconds" in r:
+            return r
+    return None
+
+
+def targets(results) -> list[dict]:
+    """Each target: name, measured value, threshold, met (True/False/None when not measured)."""
+    out = []
+
+    def add(name, value, goal, ok, fmt):
+        out.append(dict(target=name, value=None if value is None else fmt(value), goal=goal,
+                        met=None if value is None else bool(ok(value))))
+
+    def t(**kw):
+        r = _find(results, **kw)
+        return None if r is None else r["seconds"]
+
+    def ratio(a, b):
+        return None if a is None or b is None else a / b
+
+    ns = sorted({r["n"] for r in results if r["kind"] == "fwd"})
+    big = max(ns)
+    mid = 8192 if 8192 in ns else big
+    add(f"fwd N={mid}: naive / tiled", ratio(t(kind="fwd", impl="naive", n=mid),
+                                             t(kind="fwd", impl="tiled", n=mid)),
+        ">= 5x", lambda x: x >= 5, lambda x: f"{x:.1f}x")
+    if 16384 in ns:
+        add("fwd N=16384: naive / tiled", ratio(t(kind="fwd", impl="naive", n=16384),
+                                                t(kind="fwd", impl="tiled", n=16384)),
+            ">= 8x", lambda x: x >= 8, lambda x: f"{x:.1f}x")
+        r = _find(results, kind="fwd", impl="tiled", n=16384)
+        add("fwd N=16384: tiled peak RSS", None if r is None else r["peak_rss_bytes"] / GB,
+            "<= 1 GB", lambda x: x <= 1.0, lambda x: f"{x:.2f} GB")
+    nx = 4096 if 4096 in ns else big
+    add(f"fwd N={nx}: xla / tiled", ratio(t(kind="fwd", impl="xla", n=nx),
+                                          t(kind="fwd", impl="tiled", n=nx)),
+        ">= 2.5x", lambda x: x >= 2.5, lambda x: f"{x:.1f}x")
+    mm = _find(results, kind="matmul")
+    tr = _find(results, kind="fwd", impl="tiled", n=mid)
+    add(f"fwd N={mid}: tiled FLOP rate / matmul rate",
+        None if mm is None or tr is None else
+        (tr["flops"] / tr["seconds"]) / (mm["flops"] / mm["seconds"]),
+        ">= 60%", lambda x: x >= 0.6, lambda x: f"{100 * x:.0f}%")
+    nc = max([r["n"] for r in results if r.get("causal") and "seconds" in r] or [mid])
+    add(f"fwd N={nc}: causal / non-causal", ratio(t(kind="fwd", impl="tiled", n=nc, causal=True),
+                                                  t(kind="fwd", impl="tiled", n=nc)),
+        "<= 0.6x", lambda x: x <= 0.6, lambda x: f"{x:.2f}x")
+    nb = 4096 if _find(results, kind="fwdbwd", n=4096) else max(
+        [r["n"] for r in results if r["kind"] == "fwdbwd"] or [big])
+    add(f"fwd+bwd N={nb} / fwd", ratio(t(kind="fwdbwd", impl="tiled", n=nb),
+                                       t(kind="fwd", impl="tiled", n=nb)),
+        "<= 4x", lambda x: x <= 4, lambda x: f"{x:.2f}x")
+    r = _find(results, kind="fwdbwd", impl="tiled", n=8192)
+    if r is not None or not any(x.get("quick") for x in results):
+        add("fwd+bwd N=8192: tiled peak RSS", None if r is None else r["peak_rss_bytes"] / GB,
+            "<= 1.5 GB", lambda x: x <= 1.5, lambda x: f"{x:.2f} GB")
+    return out
+
+
+def markdown(report: dict) -> str:
+    """The results and targets as two markdown tables (what chapter 03 stores)."""
+    lines = [f"Machine: {report['machine']}; date {report['date']}.", "",
+             "| config | time | GFLOP/s | peak RSS |", "|---|---|---|---|"]
+    for r in report["results"]:
+        if "seconds" in r:
+            lines.append(f"| {_label(r).strip()} | {r['seconds'] * 1e3:.1f} ms | "
+                         f"{r['flops'] / r['seconds'] / 1e9:.1f} | "
+                         f"{r['peak_rss_bytes'] / GB:.2f} GB |")
+        else:
+            lines.append(f"| {_label(r).strip()} | skipped: {r.get('skipped') or r.get('error')}"
+                         f" | | |")
+    lines += ["", "| target | measured | goal | met |", "|---|---|---|---|"]
+    for t in report["targets"]:
+        met = {True: "yes", False: "**no**", None: "not measured"}[t["met"]]
+        lines.append(f"| {t['target']} | {t['value']} | {t['goal']} | {met} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--child"]:
+        return _child_main(argv[1])
+    p = argparse.ArgumentParser(prog="python -m flashlab bench tiled", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="small N only (under a minute)")
+    p.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    args = p.parse_args(argv)
+    report = run(quick=args.quick, progress=print)
+    print()
+    print(markdown(report))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
