@@ -7,13 +7,14 @@ can serve it. See the book for the story and ``README.md`` for the quickstart.
 from . import device, masks, online_softmax, reference
 from . import adapters, api, registry
 from . import comm_model, distributed, ring_layout
-from . import kernels, roofline, traffic
+from . import kernels, roofline, tiled, traffic
 from .api import as_flax_attention_fn, attention, explain
 from .distributed import ring_attention, sharded_attention
 from .kernels import flash_attention
 from .masks import AttentionSpec, validate
 from .reference import naive_attention, oracle_attention
 from .registry import backends
+from .tiled import tiled_attention
 
 __version__ = "0.1.0"
 
@@ -21,10 +22,10 @@ __all__ = [
     # the contract
     "attention", "explain", "backends", "as_flax_attention_fn",
     # the rungs
-    "naive_attention", "oracle_attention", "flash_attention", "sharded_attention", "ring_attention",
+    "naive_attention", "oracle_attention", "tiled_attention", "flash_attention", "sharded_attention", "ring_attention",
     # validation and the one mask description
     "AttentionSpec", "validate",
     # modules
     "device", "masks", "online_softmax", "reference", "registry", "api", "adapters",
-    "distributed", "ring_layout", "comm_model", "kernels", "traffic", "roofline",
+    "distributed", "ring_layout", "comm_model", "kernels", "traffic", "roofline", "tiled",
 ]

@@ -1,5 +1,7 @@
 """Figures of the book: one function per figure, each returns a matplotlib Figure."""
 from .bench import bench_figure
+from .online_softmax import online_softmax_figure
+from .tiled import traffic_figure
 from .naive import naive_scaling_figure, score_matrix_figure
 from .pipeline import block_skipping_figure, pipeline_residency_figure
 from .ring import comm_model_figure, load_balance_figure, ring_steps_figure
@@ -9,4 +11,5 @@ from .traffic import (explorer_figure, roofline_figure, tile_schedule_figure,
 __all__ = ["naive_scaling_figure", "score_matrix_figure", "bench_figure", "ring_steps_figure",
            "load_balance_figure", "comm_model_figure", "pipeline_residency_figure",
            "block_skipping_figure", "traffic_vs_seq_len_figure", "traffic_vs_block_size_figure",
-           "roofline_figure", "tile_schedule_figure", "explorer_figure"]
+           "roofline_figure", "tile_schedule_figure", "explorer_figure",
+           "online_softmax_figure", "traffic_figure"]
