@@ -44,6 +44,7 @@ __all__ = ["BackwardGridSpec", "make_backward_config", "dkdv_grid_spec", "dq_gri
            "backward_grid_specs", "flash_attention_backward"]
 
 ForwardConfig = fwd.ForwardConfig
+STATS_D_LANE = blk.LANES // 2      # the stats operand: lse in lanes [0, 64), D_i in [64, 128)
 
 
 def make_backward_config(spec: AttentionSpec, *, block_q=None, block_k=None,
@@ -90,16 +91,15 @@ def _q_side_operands(cfg, q_map, kv_map, scores_map_for, qseg_map, kvseg_map):
     bq, bk = cfg.block_q, cfg.block_k
     Tp, Sp, Dp, Dvp = cfg.q_len_p, cfg.kv_len_p, cfg.head_dim_p, cfg.head_dim_v_p
     sds = jax.ShapeDtypeStruct
-    names = ["q", "k", "v", "do", "lse", "di"]
+    names = ["q", "k", "v", "do", "stats"]
     specs = [pl.BlockSpec((None, None, bq, Dp), q_map),
              pl.BlockSpec((None, None, bk, Dp), kv_map),
              pl.BlockSpec((None, None, bk, Dvp), kv_map),
              pl.BlockSpec((None, None, bq, Dvp), q_map),
-             pl.BlockSpec((None, None, bq, blk.LANES), q_map),      # lse, lane-replicated
-             pl.BlockSpec((None, None, bq, blk.LANES), q_map)]      # D_i, lane-replicated
+             pl.BlockSpec((None, None, bq, blk.LANES), q_map)]      # lse | D_i lanes
     shapes = [sds((B, N, Tp, Dp), cfg.dtype), sds((B, cfg.num_kv_heads, Sp, Dp), cfg.dtype),
               sds((B, cfg.num_kv_heads, Sp, Dvp), cfg.dtype), sds((B, N, Tp, Dvp), cfg.dtype),
-              sds((B, N, Tp, blk.LANES), jnp.float32), sds((B, N, Tp, blk.LANES), jnp.float32)]
+              sds((B, N, Tp, blk.LANES), jnp.float32)]
     if cfg.bias_bcast is not None:
         names.append("bias")
         specs.append(pl.BlockSpec((None, None, bq, bk), scores_map_for(cfg.bias_bcast)))
@@ -251,11 +251,12 @@ def _recompute(ins, cfg: ForwardConfig, q_start, k_start, q_len, kv_len):
         kv_len=kv_len if cfg.mask_kv_len else None, q_seg=q_seg, kv_seg=kv_seg)
     if "mask" in ins:
         visible = jnp.logical_and(visible, ins["mask"][...] != 0)
-    lse = ins["lse"][...][:, :1]                                  # [B_r, 1]
+    stats = ins["stats"][...]                                     # [B_r, 128]
+    lse, di = stats[:, :1], stats[:, STATS_D_LANE:STATS_D_LANE + 1]  # [B_r, 1] each
     lse = jnp.where(lse == -jnp.inf, 0.0, lse)                    # rows with no key: P = 0
     p = jnp.where(visible, jnp.exp(s - lse), 0.0)                 # [B_r, B_c]
     dp = jax.lax.dot_general(do, v, nt, preferred_element_type=jnp.float32)
-    ds = p * (dp - ins["di"][...][:, :1])
+    ds = p * (dp - di)
     ds_raw = ds if t is None else ds * (1.0 - t * t)
     return q, k, do, p, ds, ds_raw
 
@@ -348,7 +349,7 @@ def _cost_estimate(gs: BackwardGridSpec, kernel: str) -> Any:
         return int(np.prod([x for x in spec.block_shape if x is not None])) * \
             jnp.dtype(shape.dtype).itemsize
 
-    fixed = ("k", "v", "dk", "dv") if kernel == "dkdv" else ("q", "do", "lse", "di",
+    fixed = ("k", "v", "dk", "dv") if kernel == "dkdv" else ("q", "do", "stats",
                                                               "q_segment_ids", "dq")
     outer = (cfg.batch * cfg.num_kv_heads * cfg.num_kv_blocks if kernel == "dkdv"
              else bh * cfg.num_q_blocks)
@@ -390,13 +391,16 @@ def _backward(query, key, value, spec, out, lse, d_out, *, cfg: ForwardConfig, i
     di = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
     di = jnp.swapaxes(di, 1, 2)
 
-    def rows(x):   # [B, N, T] -> [B, N, T_pad, 128] lane-replicated float32 (pad rows: 0)
-        x = jnp.pad(x.astype(jnp.float32), ((0, 0), (0, 0), (0, Tp - cfg.q_len)))
-        return jnp.broadcast_to(x[..., None], (*x.shape, blk.LANES))
+    # stats [B, N, T_pad, 128] float32: lse in lanes 0..63, D_i in lanes 64..127 (one
+    # lane-replicated block instead of two: a [B_r] vector is not a tile; pad rows are 0).
+    pad = lambda x: jnp.pad(x.astype(jnp.float32), ((0, 0), (0, 0), (0, Tp - cfg.q_len)))  # noqa: E731
+    half = (*lse.shape[:2], Tp, STATS_D_LANE)
+    stats = jnp.concatenate([jnp.broadcast_to(pad(lse)[..., None], half),
+                             jnp.broadcast_to(pad(di)[..., None], half)], axis=-1)
 
     do = jnp.swapaxes(d_out.astype(cfg.dtype), 1, 2)
     do = jnp.pad(do, ((0, 0), (0, 0), (0, Tp - cfg.q_len), (0, Dvp - cfg.head_dim_v)))
-    ops = ops[:3] + [do, rows(lse), rows(di)] + ops[3:]
+    ops = ops[:3] + [do, stats] + ops[3:]
     dk, dv = _call(dkdv_grid_spec(cfg), _dkdv_kernel, "dkdv", interpret, q_lengths,
                    kv_lengths, ops)
     dq_outs = _call(dq_grid_spec(cfg), _dq_kernel, "dq", interpret, q_lengths, kv_lengths, ops)
