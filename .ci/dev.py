@@ -89,8 +89,10 @@ def main(argv: list[str]) -> None:
     ensure_venv()
     if argv[0] == "test":
         pytest("tests", "-n", "2", "-q")
+        # one notebook per worker (--dist loadfile): a notebook's cells share one kernel
         pytest("--nbval", "--nbval-current-env", "--nbval-sanitize-with",
-               "notebooks/sanitize.cfg", "notebooks", "-p", "no:cacheprovider", "-q")
+               "notebooks/sanitize.cfg", "notebooks", "-p", "no:cacheprovider", "-q",
+               "-n", "2", "--dist", "loadfile")
     index = build_book()
     print(f"dev.py: {argv[0]} finished in {time.time() - t0:.0f} s")
     print(f"book: {index}")
