@@ -505,13 +505,15 @@ def kernel_grid(kernel: str, *, batch: int, heads: int, seq_len: int, head_dim: 
     :func:`flashlab.kernels.forward.forward_grid_spec` builds for ``pallas_call`` — the same
     objects, with the kernel's own block-size checks (``make_config``).
     ``kernel="backward_dkdv"`` / ``"backward_dq"``: the two backward kernels'
-    (:func:`flashlab.kernels.backward.dkdv_grid_spec`, :func:`~flashlab.kernels.backward.dq_grid_spec`).
+    (:func:`flashlab.kernels.backward.dkdv_grid_spec`,
+    :func:`~flashlab.kernels.backward.dq_grid_spec`).
     ``kernel="backward"`` names two kernels: use :func:`kernel_hbm_bytes`, which sums them.
     """
     names = ("forward", "backward_dkdv", "backward_dq")
     if kernel == "backward":
         raise ValueError("kernel='backward' is two pallas_calls: ask kernel_grid for "
-                         "'backward_dkdv' or 'backward_dq' (kernel_hbm_bytes('backward') sums both)")
+                         "'backward_dkdv' or 'backward_dq' (kernel_hbm_bytes('backward') "
+                         "sums both)")
     if kernel not in names:
         raise ValueError(f"kernel: expected 'forward' or 'backward' (or one of {names[1:]}), "
                          f"got {kernel!r}")
@@ -559,7 +561,8 @@ def kernel_hbm_bytes(kernel: str, *, batch: int, heads: int, seq_len: int, head_
     ``{operand name: bytes}`` (``q``, ``k``, ``v``, ``o`` and, with ``return_lse``, ``lse``)
     plus ``"read"``, ``"written"`` and ``"total"``. ``kernel="backward"`` replays both backward
     kernels and returns ``"dkdv/<operand>"`` and ``"dq/<operand>"`` entries (``q``, ``k``,
-    ``v``, ``do``, ``stats`` = lse and D_i in one lane-replicated float32 block, in; ``dk``, ``dv`` / ``dq`` out), each kernel's
+    ``v``, ``do``, ``stats`` = lse and D_i in one lane-replicated float32 block, in; ``dk``,
+    ``dv`` / ``dq`` out), each kernel's
     ``"<kernel>/total"``, plus ``"rowsum_D"`` (the XLA pass before them: read O and dO, write
     the lane-replicated float32 D) and the summed ``"read"``, ``"written"``, ``"total"``.
     The bytes are those of the kernel's padded operands: a head_dim below 128 is padded to

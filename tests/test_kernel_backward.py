@@ -6,7 +6,8 @@ a few tiny shapes run in TPU interpret mode (race detector, NaN-poisoned uniniti
 memory); parity with the official Pallas TPU kernel's gradients on shared features.
 
 Tolerances (unit-normal inputs): float32 relative error ``max|g − g_ref| / G`` <= 1e-4, with
-``G`` the largest float64 gradient entry of the problem (dQ, dK, dV, dBias). bfloat16: the oracle sees the bf16-rounded inputs and the bound is 5e-2 (P and dS
+``G`` the largest float64 gradient entry of the problem (dQ, dK, dV, dBias). bfloat16: the
+oracle sees the bf16-rounded inputs and the bound is 5e-2 (P and dS
 are rounded to bf16 before their matmuls, as on the MXU, and the gradients come out in
 bf16; observed ~1e-2).
 """

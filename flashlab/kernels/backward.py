@@ -3,7 +3,9 @@
 With ``P = exp(S - lse)`` recomputed from Q, K and the forward's ``lse`` (never stored):
 
     dV = Pᵀ dO      dP = dO Vᵀ      D_i = rowsum(dO ∘ O)      dS = P ∘ (dP − D)
-    dQ = scale · dS' K              dK = scale · dS'ᵀ Q       (dS' = dS ∘ (1 − tanh²) under a soft cap)
+    dQ = scale · dS' K              dK = scale · dS'ᵀ Q
+
+with ``dS' = dS ∘ (1 − tanh²)`` under a soft cap (``dS' = dS`` without).
 
 Two kernels, split as in FlashAttention-2 (the choice is argued in chapter 07):
 
@@ -169,8 +171,12 @@ def dkdv_grid_spec(cfg: ForwardConfig) -> BackwardGridSpec:
         name="flashlab_flash_backward_dkdv")
 
 
-def dq_grid_spec(cfg: ForwardConfig) -> BackwardGridSpec:
-    """The dQ kernel: the forward's grid ``(b, h, i, j)``, plus a dS output with a bias."""
+def dq_grid_spec(cfg: ForwardConfig, with_dbias: bool = True) -> BackwardGridSpec:
+    """The dQ kernel: the forward's grid ``(b, h, i, j)``, plus a dS output for dBias.
+
+    The dS output ``[B, N, T, S]`` float32 exists only with a bias that is differentiated
+    (``with_dbias``; a constant bias, e.g. ALiBi, gets none).
+    """
     G = cfg.group_size
     bq, bk = cfg.block_q, cfg.block_k
     B, N, Tp, Sp, Dp = cfg.batch, cfg.num_heads, cfg.q_len_p, cfg.kv_len_p, cfg.head_dim_p
@@ -205,7 +211,7 @@ def dq_grid_spec(cfg: ForwardConfig) -> BackwardGridSpec:
     sds = jax.ShapeDtypeStruct
     out_names, out_specs = ["dq"], [pl.BlockSpec((None, None, bq, Dp), q_map)]
     out_shapes = [sds((B, N, Tp, Dp), cfg.dtype)]
-    if cfg.bias_bcast is not None:
+    if cfg.bias_bcast is not None and with_dbias:
         out_names.append("ds")
         out_specs.append(pl.BlockSpec((None, None, bq, bk), ds_map))
         out_shapes.append(sds((B, N, Tp, Sp), jnp.float32))
@@ -216,9 +222,10 @@ def dq_grid_spec(cfg: ForwardConfig) -> BackwardGridSpec:
         name="flashlab_flash_backward_dq")
 
 
-def backward_grid_specs(cfg: ForwardConfig) -> dict[str, BackwardGridSpec]:
+def backward_grid_specs(cfg: ForwardConfig, with_dbias: bool = True
+                        ) -> dict[str, BackwardGridSpec]:
     """``{"dkdv": ..., "dq": ...}``: both backward kernels' grids, in the order they run."""
-    return {"dkdv": dkdv_grid_spec(cfg), "dq": dq_grid_spec(cfg)}
+    return {"dkdv": dkdv_grid_spec(cfg), "dq": dq_grid_spec(cfg, with_dbias)}
 
 
 # ----------------------------------------------------------------------------- the kernels
@@ -293,11 +300,10 @@ def _dkdv_kernel(q_lengths_ref, kv_lengths_ref, *refs, cfg: ForwardConfig, names
         dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
 
 
-def _dq_kernel(q_lengths_ref, kv_lengths_ref, *refs, cfg: ForwardConfig, names):
-    """Step ``(b, h, i, j)``: dQ_i += scale·dS'_ij K_j (and dS_ij out, with a bias)."""
+def _dq_kernel(q_lengths_ref, kv_lengths_ref, *refs, cfg: ForwardConfig, names, has_ds):
+    """Step ``(b, h, i, j)``: dQ_i += scale·dS'_ij K_j (and dS_ij out, for dBias)."""
     n_in = len(names)
     ins = dict(zip(names, refs[:n_in]))
-    has_ds = cfg.bias_bcast is not None
     dq_ref = refs[n_in]
     ds_ref = refs[n_in + 1] if has_ds else None
     dq_acc = refs[n_in + 1 + has_ds]
@@ -370,8 +376,9 @@ def _call(gs: BackwardGridSpec, kernel_fn, kernel: str, interpret, q_lengths, kv
     if interpret is False:
         kwargs["vmem_limit_bytes"] = int(min(blk.vmem_capacity_bytes() * 3 // 4,
                                              2 * blk.vmem_budget_bytes()))
+    kw = {"has_ds": "ds" in gs.out_names} if kernel == "dq" else {}
     return pl.pallas_call(
-        functools.partial(kernel_fn, cfg=gs.config, names=gs.in_names),
+        functools.partial(kernel_fn, cfg=gs.config, names=gs.in_names, **kw),
         grid_spec=gs.pallas_grid_spec(),
         out_shape=list(gs.out_shapes),
         compiler_params=compat.CompilerParams(dimension_semantics=gs.dimension_semantics,
@@ -382,9 +389,11 @@ def _call(gs: BackwardGridSpec, kernel_fn, kernel: str, interpret, q_lengths, kv
     )(q_lengths, kv_lengths, *ops)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "interpret"))
-def _backward(query, key, value, spec, out, lse, d_out, *, cfg: ForwardConfig, interpret):
+@functools.partial(jax.jit, static_argnames=("cfg", "interpret", "with_dbias"))
+def _backward(query, key, value, spec, out, lse, d_out, *, cfg: ForwardConfig, interpret,
+              with_dbias=True):
     """Gradients ``(dq, dk, dv, dbias | None)`` in the public layout."""
+    with_dbias = with_dbias and spec.bias is not None
     Tp, Dvp = cfg.q_len_p, cfg.head_dim_v_p
     q_lengths, kv_lengths, ops = fwd._prepare(cfg, query, key, value, spec)
     # D_i = rowsum(dO ∘ O): [B, T, N] -> [B, N, T], an O(N·d) XLA fusion.
@@ -393,7 +402,9 @@ def _backward(query, key, value, spec, out, lse, d_out, *, cfg: ForwardConfig, i
 
     # stats [B, N, T_pad, 128] float32: lse in lanes 0..63, D_i in lanes 64..127 (one
     # lane-replicated block instead of two: a [B_r] vector is not a tile; pad rows are 0).
-    pad = lambda x: jnp.pad(x.astype(jnp.float32), ((0, 0), (0, 0), (0, Tp - cfg.q_len)))  # noqa: E731
+    def pad(x):
+        return jnp.pad(x.astype(jnp.float32), ((0, 0), (0, 0), (0, Tp - cfg.q_len)))
+
     half = (*lse.shape[:2], Tp, STATS_D_LANE)
     stats = jnp.concatenate([jnp.broadcast_to(pad(lse)[..., None], half),
                              jnp.broadcast_to(pad(di)[..., None], half)], axis=-1)
@@ -403,13 +414,14 @@ def _backward(query, key, value, spec, out, lse, d_out, *, cfg: ForwardConfig, i
     ops = ops[:3] + [do, stats] + ops[3:]
     dk, dv = _call(dkdv_grid_spec(cfg), _dkdv_kernel, "dkdv", interpret, q_lengths,
                    kv_lengths, ops)
-    dq_outs = _call(dq_grid_spec(cfg), _dq_kernel, "dq", interpret, q_lengths, kv_lengths, ops)
+    dq_outs = _call(dq_grid_spec(cfg, with_dbias), _dq_kernel, "dq", interpret, q_lengths,
+                    kv_lengths, ops)
     unpad = lambda x, T, D: jnp.swapaxes(x[:, :, :T, :D], 1, 2)  # noqa: E731
     dq = unpad(dq_outs[0], cfg.q_len, cfg.head_dim)
     dk = unpad(dk, cfg.kv_len, cfg.head_dim)
     dv = unpad(dv, cfg.kv_len, cfg.head_dim_v)
     dbias = None
-    if spec.bias is not None:
+    if with_dbias:
         ds = dq_outs[1][:, :, :cfg.q_len, :cfg.kv_len]                  # [B, N, T, S] float32
         axes = tuple(a for a in (0, 1) if spec.bias.shape[a] == 1 and ds.shape[a] > 1)
         dbias = jnp.sum(ds, axis=axes, keepdims=True).astype(spec.bias.dtype)

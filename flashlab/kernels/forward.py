@@ -406,17 +406,27 @@ def _attention(query, key, value, spec, cfg, bwd_cfg, interpret):
 
 
 def _attention_fwd(query, key, value, spec, cfg, bwd_cfg, interpret):
+    # symbolic_zeros=True: every array leaf arrives as CustomVJPPrimal(value, perturbed), so
+    # the backward knows whether the bias is differentiated (a constant bias gets no dS).
+    is_primal = lambda x: isinstance(x, jax.custom_derivatives.CustomVJPPrimal)  # noqa: E731
+    with_dbias = spec.bias is not None and bool(spec.bias.perturbed)
+    query, key, value, spec = jax.tree_util.tree_map(lambda x: x.value, (query, key, value, spec),
+                                                     is_leaf=is_primal)
     # Differentiated: also emit lse [B, N, T] (O(N)), the only residual besides the inputs/O.
     out, lse = _forward(query, key, value, spec, cfg=dataclasses.replace(cfg, return_lse=True),
                         interpret=interpret)
-    return out, (query, key, value, spec, out, lse)
+    flag = jnp.zeros((0,), jnp.float32) if with_dbias else None     # static, in the structure
+    return out, (query, key, value, spec, out, lse, flag)
 
 
 def _attention_bwd(cfg, bwd_cfg, interpret, residuals, d_out):
     from . import backward        # the backward kernels (chapter 07) import this module
-    query, key, value, spec, out, lse = residuals
+    query, key, value, spec, out, lse, flag = residuals
+    if isinstance(d_out, jax.custom_derivatives.SymbolicZero):
+        d_out = jnp.zeros(d_out.shape, d_out.dtype)
     dq, dk, dv, dbias = backward._backward(query, key, value, spec, out, lse, d_out,
-                                           cfg=bwd_cfg, interpret=interpret)
+                                           cfg=bwd_cfg, interpret=interpret,
+                                           with_dbias=flag is not None)
     # The spec's cotangent: dBias for the bias, symbolic zeros (None) for masks and lengths.
     d_spec = jax.tree_util.tree_map(lambda _: None, spec)
     if dbias is not None:
@@ -424,7 +434,7 @@ def _attention_bwd(cfg, bwd_cfg, interpret, residuals, d_out):
     return dq, dk, dv, d_spec
 
 
-_attention.defvjp(_attention_fwd, _attention_bwd)
+_attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
 
 
 def _resolve_interpret(interpret):
