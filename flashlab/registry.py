@@ -259,7 +259,7 @@ register(Backend(
     "pallas_tpu", "flashlab.kernels: our Pallas TPU flash attention", adapters.pallas_tpu_fn,
     platforms=frozenset({"tpu"}), interpret_platforms=frozenset({"cpu", "gpu"}),
     interpret_by_default=True, dtypes=frozenset({"bfloat16", "float32"}),
-    gradients=False,  # forward only until the backward kernels (chapter 07) land
+    gradients=True,   # backward kernels: flashlab.kernels.backward (chapter 07)
     requires="flashlab.kernels", interpret_kind="Pallas interpreter"))
 register(Backend(
     "jax_pallas_flash", "jax.experimental.pallas.ops.tpu.flash_attention (official)",

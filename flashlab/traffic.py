@@ -504,19 +504,23 @@ def kernel_grid(kernel: str, *, batch: int, heads: int, seq_len: int, head_dim: 
     to 128 lanes, as the kernel pads them), scratch and scalar-prefetch lengths that
     :func:`flashlab.kernels.forward.forward_grid_spec` builds for ``pallas_call`` — the same
     objects, with the kernel's own block-size checks (``make_config``).
-    ``kernel="backward"``: there is no Pallas backward kernel yet: ``NotImplementedError``.
+    ``kernel="backward_dkdv"`` / ``"backward_dq"``: the two backward kernels'
+    (:func:`flashlab.kernels.backward.dkdv_grid_spec`,
+    :func:`~flashlab.kernels.backward.dq_grid_spec`).
+    ``kernel="backward"`` names two kernels: use :func:`kernel_hbm_bytes`, which sums them.
     """
+    names = ("forward", "backward_dkdv", "backward_dq")
     if kernel == "backward":
-        raise NotImplementedError(
-            "kernel='backward': flashlab has no Pallas backward kernel yet, so there are no "
-            "BlockSpecs to replay; use analytic_hbm_bytes('flash', ..., backward=True) for "
-            "the paper's model")
-    if kernel != "forward":
-        raise ValueError(f"kernel: expected 'forward' or 'backward', got {kernel!r}")
+        raise ValueError("kernel='backward' is two pallas_calls: ask kernel_grid for "
+                         "'backward_dkdv' or 'backward_dq' (kernel_hbm_bytes('backward') "
+                         "sums both)")
+    if kernel not in names:
+        raise ValueError(f"kernel: expected 'forward' or 'backward' (or one of {names[1:]}), "
+                         f"got {kernel!r}")
     try:
         from .kernels import forward as kfwd
     except ImportError as err:       # a checkout without the kernel rung
-        raise NotImplementedError(f"kernel='forward': flashlab.kernels is not available ({err})"
+        raise NotImplementedError(f"kernel={kernel!r}: flashlab.kernels is not available ({err})"
                                   ) from err
     from .masks import AttentionSpec
     import jax.numpy as jnp
@@ -532,14 +536,19 @@ def kernel_grid(kernel: str, *, batch: int, heads: int, seq_len: int, head_dim: 
                          dtype=dt, scale=1.0 / math.sqrt(head_dim), is_causal=bool(is_causal),
                          window=window, soft_cap=None)
     cfg = kfwd.make_config(spec, block_q=block_q, block_k=block_k, return_lse=return_lse)
-    gs = kfwd.forward_grid_spec(cfg)
+    if kernel == "forward":
+        gs, name = kfwd.forward_grid_spec(cfg), "flashlab_flash_forward"
+    else:
+        from .kernels import backward as kbwd
+        gs = (kbwd.dkdv_grid_spec if kernel == "backward_dkdv" else kbwd.dq_grid_spec)(cfg)
+        name = gs.name
     # the scalar-prefetch operands the wrapper passes: full q and kv lengths per batch row
     lengths = (np.full((batch,), seq_len, np.int32), np.full((batch,), kv_len, np.int32))
     scratch = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in gs.scratch_shapes)
     return from_block_specs(gs.grid, gs.in_specs, gs.out_specs, gs.in_shapes, gs.out_shapes,
                             in_names=gs.in_names, out_names=gs.out_names,
                             scalar_prefetch=lengths[:gs.num_scalar_prefetch],
-                            scratch_bytes=scratch, name="flashlab_flash_forward")
+                            scratch_bytes=scratch, name=name)
 
 
 def kernel_hbm_bytes(kernel: str, *, batch: int, heads: int, seq_len: int, head_dim: int,
@@ -548,13 +557,38 @@ def kernel_hbm_bytes(kernel: str, *, batch: int, heads: int, seq_len: int, head_
                      local_window_size=None, return_lse: bool = False) -> dict[str, int]:
     """HBM bytes per operand of a flashlab Pallas kernel, by replaying its grid + BlockSpecs.
 
-    ``dtype``: a dtype or its name (``"bfloat16"``). Returns ``{operand name: bytes}`` (``q``,
-    ``k``, ``v``, ``o`` and, with ``return_lse``, ``lse``) plus ``"read"``, ``"written"`` and
-    ``"total"``. The bytes are those of the kernel's padded operands: a head_dim below 128
-    is padded to 128 lanes and moves as 128. See :func:`replay` for the pipeline rule.
+    ``dtype``: a dtype or its name (``"bfloat16"``). ``kernel="forward"`` returns
+    ``{operand name: bytes}`` (``q``, ``k``, ``v``, ``o`` and, with ``return_lse``, ``lse``)
+    plus ``"read"``, ``"written"`` and ``"total"``. ``kernel="backward"`` replays both backward
+    kernels and returns ``"dkdv/<operand>"`` and ``"dq/<operand>"`` entries (``q``, ``k``,
+    ``v``, ``do``, ``stats`` = lse and D_i in one lane-replicated float32 block, in; ``dk``,
+    ``dv`` / ``dq`` out), each kernel's
+    ``"<kernel>/total"``, plus ``"rowsum_D"`` (the XLA pass before them: read O and dO, write
+    the lane-replicated float32 D) and the summed ``"read"``, ``"written"``, ``"total"``.
+    The bytes are those of the kernel's padded operands: a head_dim below 128 is padded to
+    128 lanes and moves as 128. See :func:`replay` for the pipeline rule.
     """
-    kg = kernel_grid(kernel, batch=batch, heads=heads, seq_len=seq_len, head_dim=head_dim,
-                     dtype=dtype, block_q=block_q, block_k=block_k, is_causal=is_causal,
-                     kv_seq_len=kv_seq_len, kv_heads=kv_heads,
-                     local_window_size=local_window_size, return_lse=return_lse)
-    return {k: v["bytes"] for k, v in replay(kg).items()}
+    kw = dict(batch=batch, heads=heads, seq_len=seq_len, head_dim=head_dim, dtype=dtype,
+              block_q=block_q, block_k=block_k, is_causal=is_causal, kv_seq_len=kv_seq_len,
+              kv_heads=kv_heads, local_window_size=local_window_size)
+    if kernel != "backward":
+        kg = kernel_grid(kernel, **kw, return_lse=return_lse)
+        return {k: v["bytes"] for k, v in replay(kg).items()}
+    out: dict[str, int] = {}
+    read = written = 0
+    for part in ("dkdv", "dq"):
+        kg = kernel_grid(f"backward_{part}", **kw)
+        r = replay(kg)
+        for name, v in r.items():
+            if name not in ("read", "written", "total"):
+                out[f"{part}/{name}"] = v["bytes"]
+        out[f"{part}/total"] = r["total"]["bytes"]
+        read += r["read"]["bytes"]
+        written += r["written"]["bytes"]
+    do = kg.operand("do")                     # D_i = rowsum(dO ∘ O): read O and dO, write D
+    st = kg.operand("stats")                  # (lse and D written together, float32)
+    out["rowsum_D"] = 2 * math.prod(do.shape) * do.itemsize + math.prod(st.shape) * 4
+    read += 2 * math.prod(do.shape) * do.itemsize
+    written += math.prod(st.shape) * 4
+    out["read"], out["written"], out["total"] = read, written, read + written
+    return out

@@ -5,7 +5,8 @@ tests/cases.py, on self-attention, GQA and cross-attention shapes, with ragged l
 fully masked rows among the options. A case is skipped only when the backend's own
 declaration excludes it (the skip reason quotes the declaration) or the backend is not
 importable on this checkout. Backends that run in TPU interpret mode off-TPU (the official
-kernels on CPU) are slow there, so they get a smaller set of cases.
+kernels on CPU) are slow there, so they get a smaller set of cases; gradients of a backend
+run by the generic Pallas interpreter get every mask option on one shape (INTERPRETED_GRAD).
 
 Adding a backend: ``flashlab.registry.register(Backend(...))``, then pass this module.
 
@@ -44,6 +45,12 @@ SLOW_FWD = ("none", "causal", "window_pair", "seq_lengths", "kv_lengths_zero", "
             "dense_mask", "bias", "soft_cap", "everything")
 SLOW_GRAD = ("causal", "kv_lengths_zero", "segments")
 SLOW_BF16 = ("causal", "segments")
+# Gradients of a backend run by the generic Pallas interpreter off-TPU (three kernels traced
+# and compiled per case, ~3 s each on CPU): every mask option on the GQA shape, and the
+# options that meet MHA, cross-attention and ragged lengths on the other two shapes.
+INTERPRETED_GRAD = {"gqa": MASK_OPTIONS,
+                    "self": ("none", "causal", "kv_lengths_zero", "bias_broadcast"),
+                    "cross": ("causal", "seq_lengths", "segments_pair", "everything")}
 
 
 def _interpret_for(b: registry.Backend):
@@ -55,6 +62,12 @@ def _interpret_for(b: registry.Backend):
 
 def _is_slow(b):
     return _interpret_for(b) is True and "TPU interpret" in b.interpret_kind
+
+
+def _is_interpreted(b):
+    """Runs here only through the generic Pallas interpreter (by default or when asked)."""
+    mode = b.mode(PLATFORM, None) or b.mode(PLATFORM, True) or ""
+    return "interpret" in mode and not _is_slow(b)
 
 
 def _params(kind):
@@ -70,6 +83,8 @@ def _params(kind):
                 opts = SLOW_GRAD if slow else MASK_OPTIONS
                 if slow and shape != "self":
                     opts = ()
+                if _is_interpreted(b):
+                    opts = INTERPRETED_GRAD[shape]
             else:  # bf16
                 opts = SLOW_BF16 if slow else MASK_OPTIONS
                 if shape != "self":

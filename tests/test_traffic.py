@@ -252,10 +252,10 @@ def test_bad_arguments_name_themselves():
                                  dtype="float32", block_q=8, block_k=8)
 
 
-def test_backward_kernel_not_implemented():
-    with pytest.raises(NotImplementedError, match="backward"):
-        traffic.kernel_hbm_bytes("backward", batch=1, heads=1, seq_len=128, head_dim=64,
-                                 dtype="bfloat16", block_q=128, block_k=128)
+def test_backward_is_two_kernels():
+    with pytest.raises(ValueError, match="backward_dkdv"):
+        traffic.kernel_grid("backward", batch=1, heads=1, seq_len=128, head_dim=64,
+                            dtype="bfloat16", block_q=128, block_k=128)
 
 
 # ---------- flashlab's own forward kernel ----------

@@ -268,3 +268,100 @@ def num_visible_blocks(num_q_blocks, num_kv_blocks, *, q_len, kv_len, block_q, b
 
 
 __all__ += ["clamp_kv_block", "num_visible_blocks", "div_nonneg"]
+
+
+# ----------------------------------------------------------------------------- the backward
+
+def q_block_range(j, q_len, kv_len, *, block_q, block_k, num_q_blocks, is_causal=False,
+                  window=None):
+    """The q blocks ``lo .. hi`` (inclusive) that may see kv block ``j`` (the dK/dV kernel's range).
+
+    The transpose of :func:`kv_block_range`: query ``q`` sees key ``k`` only if ``k <= q``
+    (causal) and ``q - left <= k <= q + right`` (window), i.e. ``q >= k`` and
+    ``k - right <= q <= k + left``; queries past ``q_len`` see nothing and a kv block that
+    starts past ``kv_len`` is seen by nobody. ``hi < lo`` means nothing is visible. Works on
+    Python ints and traced int32 (index maps and the kernel's ``pl.when``).
+    """
+    k_start = j * block_k
+    k_last = k_start + block_k - 1
+    first = 0
+    last = q_len - 1                                    # last valid query position, >= -1
+    if is_causal:
+        first = _max(first, k_start)
+    if window is not None:
+        left, right = window
+        if left is not None:
+            last = _min(last, k_last + left)
+        if right is not None:
+            first = _max(first, k_start - right)
+    last = _max(last, -1)
+    if _is_static(k_start, kv_len):
+        last = last if k_start < kv_len else -1
+    else:
+        last = jnp.where(k_start < kv_len, last, -1)
+    lo = div_nonneg(first, block_q)
+    hi = div_nonneg(last + block_q, block_q) - 1              # floor(last / B_r), last >= -1
+    del num_q_blocks                                   # lo may exceed it: then hi < lo
+    return lo, hi
+
+
+def backward_vmem_bytes(block_q: int, block_k: int, head_dim: int, dtype, *,
+                        head_dim_v: int | None = None, bias_dtype=None, has_mask: bool = False,
+                        has_segments: bool = False, buffers: int = 2) -> int:
+    """Estimated VMEM footprint (bytes) of the larger of the two backward kernels.
+
+    Both kernels pipeline Q, dO ``[block_q, d]``, K, V ``[block_k, d]``, lse and D
+    ``[block_q, 128]`` float32 (lane-replicated), optionally bias/mask ``[block_q, block_k]``
+    and segment ids, ``buffers`` times each. The dK/dV kernel also holds dK, dV output blocks
+    ``[block_k, d]`` and float32 scratch accumulators of the same size; the dQ kernel a dQ
+    block, its float32 accumulator and (with a bias) a float32 dS block ``[block_q, block_k]``.
+    Temporaries: S, P, dP, dS ``[block_q, block_k]`` float32. head dims are lane-padded.
+    """
+    e = jnp.dtype(dtype).itemsize
+    d, dv = lane_pad(head_dim), lane_pad(head_dim_v or head_dim)
+    common = (block_q * d + block_q * dv + block_k * d + block_k * dv) * e \
+        + 2 * block_q * LANES * 4
+    if bias_dtype is not None:
+        common += block_q * block_k * jnp.dtype(bias_dtype).itemsize
+    if has_mask:
+        common += block_q * block_k
+    if has_segments:
+        common += (block_q * LANES + SUBLANES * block_k) * 4
+    temps = 4 * block_q * block_k * 4
+    dkdv = buffers * (common + block_k * (d + dv) * e) + block_k * (d + dv) * 4 + temps
+    dq_out = block_q * d * e + (block_q * block_k * 4 if bias_dtype is not None else 0)
+    dq = buffers * (common + dq_out) + block_q * d * 4 + temps
+    return max(dkdv, dq)
+
+
+def _backward_fits(bq, bk, head_dim, dtype, chip, **kw) -> bool:
+    return backward_vmem_bytes(bq, bk, head_dim, dtype, **kw) <= vmem_budget_bytes(chip)
+
+
+def choose_backward_block_sizes(q_len: int, kv_len: int, head_dim: int, dtype,
+                                chip: str | None = None, *, head_dim_v: int | None = None,
+                                bias_dtype=None, has_mask=False, has_segments=False
+                                ) -> tuple[int, int]:
+    """Default ``(block_q, block_k)`` of the backward kernels for a problem on a chip.
+
+    The backward holds four ``[B_r, B_c]`` float32 temporaries (S, P, dP, dS) and twice the
+    pipelined blocks of the forward, so it starts smaller: ``B_r = B_c = 512`` (never larger
+    than the padded sequence), then halves B_c, then B_r, until :func:`backward_vmem_bytes`
+    fits :func:`vmem_budget_bytes` of ``chip``. Same tiling rule as the forward.
+    """
+    rule = _sublane_rule(dtype, bias_dtype, has_mask)
+    kw = dict(head_dim_v=head_dim_v, bias_dtype=bias_dtype, has_mask=has_mask,
+              has_segments=has_segments)
+    bq = min(512, round_up(q_len, rule))
+    bk = min(512, round_up(kv_len, LANES))
+    while not _backward_fits(bq, bk, head_dim, dtype, chip, **kw):
+        if bk > 256 or (bk > LANES and bq <= 128):
+            bk = max(LANES, round_up(bk // 2, LANES))
+        elif bq > rule:
+            bq = max(rule, round_up(bq // 2, rule))
+        else:  # pragma: no cover - the smallest blocks fit every chip
+            break
+    return int(bq), int(bk)
+
+
+__all__ += ["q_block_range", "backward_vmem_bytes", "choose_backward_block_sizes"]

@@ -400,22 +400,41 @@ def _forward(query, key, value, spec, *, cfg: ForwardConfig, interpret):
     return o, lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _attention(query, key, value, spec, cfg, interpret):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _attention(query, key, value, spec, cfg, bwd_cfg, interpret):
     return _forward(query, key, value, spec, cfg=cfg, interpret=interpret)[0]
 
 
-def _attention_fwd(query, key, value, spec, cfg, interpret):
-    return _attention(query, key, value, spec, cfg, interpret), None
+def _attention_fwd(query, key, value, spec, cfg, bwd_cfg, interpret):
+    # symbolic_zeros=True: every array leaf arrives as CustomVJPPrimal(value, perturbed), so
+    # the backward knows whether the bias is differentiated (a constant bias gets no dS).
+    is_primal = lambda x: isinstance(x, jax.custom_derivatives.CustomVJPPrimal)  # noqa: E731
+    with_dbias = spec.bias is not None and bool(spec.bias.perturbed)
+    query, key, value, spec = jax.tree_util.tree_map(lambda x: x.value, (query, key, value, spec),
+                                                     is_leaf=is_primal)
+    # Differentiated: also emit lse [B, N, T] (O(N)), the only residual besides the inputs/O.
+    out, lse = _forward(query, key, value, spec, cfg=dataclasses.replace(cfg, return_lse=True),
+                        interpret=interpret)
+    flag = jnp.zeros((0,), jnp.float32) if with_dbias else None     # static, in the structure
+    return out, (query, key, value, spec, out, lse, flag)
 
 
-def _attention_bwd(cfg, interpret, residuals, d_out):
-    raise NotImplementedError(
-        "flashlab.kernels.flash_attention is forward-only: its Pallas backward kernel lands in "
-        "chapter 07. For gradients use flashlab.tiled.tiled_attention (or the reference rung).")
+def _attention_bwd(cfg, bwd_cfg, interpret, residuals, d_out):
+    from . import backward        # the backward kernels (chapter 07) import this module
+    query, key, value, spec, out, lse, flag = residuals
+    if isinstance(d_out, jax.custom_derivatives.SymbolicZero):
+        d_out = jnp.zeros(d_out.shape, d_out.dtype)
+    dq, dk, dv, dbias = backward._backward(query, key, value, spec, out, lse, d_out,
+                                           cfg=bwd_cfg, interpret=interpret,
+                                           with_dbias=flag is not None)
+    # The spec's cotangent: dBias for the bias, symbolic zeros (None) for masks and lengths.
+    d_spec = jax.tree_util.tree_map(lambda _: None, spec)
+    if dbias is not None:
+        d_spec = dataclasses.replace(d_spec, bias=dbias)
+    return dq, dk, dv, d_spec
 
 
-_attention.defvjp(_attention_fwd, _attention_bwd)
+_attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
 
 
 def _resolve_interpret(interpret):
@@ -429,8 +448,10 @@ def _resolve_interpret(interpret):
 def flash_attention_from_spec(query, key, value, spec: AttentionSpec, *, block_q=None,
                               block_k=None, interpret=None):
     """The forward kernel on already validated inputs (what the backend registry calls)."""
+    from .backward import make_backward_config
     cfg = make_config(spec, block_q=block_q, block_k=block_k)
-    return _attention(query, key, value, spec, cfg, _resolve_interpret(interpret))
+    bwd_cfg = make_backward_config(spec, block_q=block_q, block_k=block_k)
+    return _attention(query, key, value, spec, cfg, bwd_cfg, _resolve_interpret(interpret))
 
 
 def flash_attention_forward(query, key, value, spec: AttentionSpec, *, block_q=None,
@@ -461,8 +482,11 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None, is_c
         ``True``/``False``, or a ``pltpu.InterpretParams`` (TPU interpret mode).
 
     Returns ``[batch, q_seq, heads, head_dim_v]`` in the query's dtype (fp32 accumulation).
-    Rows with no visible key are zeros. Forward only: ``jax.grad`` raises
-    ``NotImplementedError`` (the backward kernel is chapter 07).
+    Rows with no visible key are zeros, with zero gradients. Differentiable (``jax.grad``
+    w.r.t. query, key, value and bias) through the backward kernels of
+    :mod:`flashlab.kernels.backward` (chapter 07); the backward's block sizes are
+    ``block_q``/``block_k`` when they fit its VMEM estimate, else
+    :func:`flashlab.kernels.blocks.choose_backward_block_sizes`.
     """
     query, key, value, spec = masks.validate(
         query, key, value, bias, mask, scale=scale, is_causal=is_causal,
