@@ -1,0 +1,76 @@
+"""Every Pallas API flashlab uses, imported in ONE place.
+
+Pallas is young and its names move between JAX releases (``TPUCompilerParams`` became
+``CompilerParams``, ``TPUInterpretParams`` became ``InterpretParams``, the race detector moved
+modules, ``get_tpu_info_for_chip`` appeared). The kernels import from here only, so a JAX
+upgrade touches this file and nothing else. Supported range: the one in ``pyproject.toml``.
+"""
+from __future__ import annotations
+
+import contextlib
+
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+__all__ = ["pl", "pltpu", "BlockSpec", "CompilerParams", "InterpretParams",
+           "PrefetchScalarGridSpec", "CostEstimate", "VMEM", "SMEM", "ChipVersion",
+           "get_tpu_info", "get_tpu_info_for_chip", "force_tpu_interpret_mode",
+           "reset_tpu_interpret_mode_state", "races_found", "is_interpret_params"]
+
+BlockSpec = pl.BlockSpec
+CostEstimate = pl.CostEstimate
+PrefetchScalarGridSpec = pltpu.PrefetchScalarGridSpec
+CompilerParams = getattr(pltpu, "CompilerParams", None) or getattr(pltpu, "TPUCompilerParams")
+InterpretParams = getattr(pltpu, "InterpretParams", None) or getattr(pltpu, "TPUInterpretParams")
+VMEM = pltpu.VMEM          # scratch in vector memory: pltpu.VMEM(shape, dtype)
+SMEM = pltpu.SMEM          # scalar memory (scalar-prefetch operands live here)
+ChipVersion = getattr(pltpu, "ChipVersion", None)
+get_tpu_info = getattr(pltpu, "get_tpu_info", None)
+# get_tpu_info_for_chip(chip_version: ChipVersion, num_tensor_cores_per_logical_device: int)
+# -> TpuInfo (per-TensorCore numbers, e.g. .vmem_capacity_bytes). Absent in older JAX.
+get_tpu_info_for_chip = getattr(pltpu, "get_tpu_info_for_chip", None)
+
+
+def force_tpu_interpret_mode(params=None):
+    """Context manager: every ``pallas_call`` traced inside runs in TPU interpret mode.
+
+    This is how kernels that take no ``interpret`` argument (the official
+    ``jax.experimental.pallas.ops.tpu.flash_attention``) are run on a CPU.
+    """
+    params = InterpretParams() if params is None else params
+    fn = getattr(pltpu, "force_tpu_interpret_mode", None)
+    if fn is None:  # pragma: no cover - very old JAX
+        return contextlib.nullcontext()
+    return fn(params)
+
+
+def reset_tpu_interpret_mode_state():
+    """Reset TPU interpret mode's global state (needed after a kernel raised)."""
+    fn = getattr(pltpu, "reset_tpu_interpret_mode_state", None)
+    if fn is not None:
+        fn()
+
+
+def _race_state():
+    # The race detector's state is a module global of the TPU interpreter; it is created
+    # when a kernel starts and survives until the next one, so read it right after a call.
+    try:
+        from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc
+        return ipc.races
+    except ImportError:  # pragma: no cover - older JAX kept it elsewhere
+        from jax._src.pallas.mosaic import interpret as ipc
+        return getattr(ipc, "races", None)
+
+
+def races_found() -> bool | None:
+    """Whether the last kernel run in TPU interpret mode (``detect_races=True``) had a race.
+
+    ``None`` when no TPU-interpret kernel has run in this process yet.
+    """
+    state = _race_state()
+    return None if state is None else bool(state.races_found)
+
+
+def is_interpret_params(x) -> bool:
+    """True for a ``pltpu.InterpretParams`` (TPU interpret mode) object."""
+    return isinstance(x, InterpretParams)

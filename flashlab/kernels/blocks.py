@@ -1,0 +1,270 @@
+"""Block sizes, the (8, 128) tiling rule, the VMEM budget, padding and the visible kv range.
+
+A TPU's vector registers and VMEM are tiled in ``(sublanes, lanes) = (8, 128)`` 32-bit tiles.
+A BlockSpec's last two dims must therefore be multiples of the tile (or equal the whole
+array dim). Narrower dtypes pack several rows into one 32-bit sublane, so their native
+sublane tile is taller: 8 rows for float32/int32, 16 for bfloat16, 32 for int8/bool.
+
+In the forward kernel (layout ``[batch, heads, seq, head_dim]`` inside):
+
+* ``block_q`` (B_r) is the sublane dim of the Q, O, bias and mask blocks: a multiple of the
+  tallest sublane tile among them (8 fp32, 16 bf16, 32 when an int8 mask block is present);
+* ``block_k`` (B_c) is the lane dim of the score, bias and mask blocks: a multiple of 128;
+* head_dim is the lane dim of Q, K, V, O: padded to a multiple of 128 (zero lanes do not
+  change ``q·k``, and zero value lanes are sliced off the output).
+
+VMEM capacity per TensorCore comes from ``pltpu.get_tpu_info_for_chip`` when the installed JAX
+has it, else from :data:`VMEM_BYTES` (copied from ``jax/_src/pallas/mosaic/tpu_info.py`` in
+JAX 0.10.2; the v5e/v6e figures match Google's TPU system-architecture pages).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _pallas_compat as compat
+
+__all__ = ["LANES", "SUBLANES", "VMEM_BYTES", "sublane_tile", "round_up", "lane_pad",
+           "vmem_capacity_bytes", "vmem_budget_bytes", "vmem_bytes", "choose_block_sizes",
+           "check_block_sizes", "kv_block_range", "detect_chip"]
+
+LANES = 128
+SUBLANES = 8
+
+#: VMEM per TensorCore, bytes (JAX 0.10.2 ``tpu_info._get_tpu_info_impl``).
+VMEM_BYTES = {
+    "v2": 16 << 20, "v3": 16 << 20, "v4": 16 << 20, "v4i": 16 << 20,
+    "v5e": 128 << 20, "v5p": 64 << 20, "v6e": 128 << 20, "7x": 64 << 20,
+}
+DEFAULT_CHIP = "v5e"      # what Colab's TPU runtime gives today; used off-TPU
+
+
+def round_up(x: int, m: int) -> int:
+    return -(-int(x) // m) * m
+
+
+def lane_pad(d: int) -> int:
+    """head_dim padded to a multiple of 128 lanes (64 -> 128, 80 -> 128, 256 -> 256)."""
+    return round_up(d, LANES)
+
+
+def sublane_tile(dtype) -> int:
+    """Rows per native (sublane) tile: 8 for 32-bit, 16 for 16-bit, 32 for 8-bit dtypes."""
+    return SUBLANES * max(1, 4 // jnp.dtype(dtype).itemsize)
+
+
+def detect_chip() -> str | None:
+    """The TPU generation name (``"v5e"``...) of the default device, or ``None`` off-TPU."""
+    import jax
+    dev = jax.devices()[0]
+    if dev.platform != "tpu":
+        return None
+    kind = dev.device_kind.lower()
+    for name, pat in (("v5e", "v5 lite"), ("v5e", "v5e"), ("v6e", "v6"), ("v5p", "v5"),
+                      ("v4i", "v4 lite"), ("v4", "v4"), ("v3", "v3"), ("v2", "v2"), ("7x", "7")):
+        if pat in kind:
+            return name
+    return None
+
+
+def vmem_capacity_bytes(chip: str | None = None) -> int:
+    """VMEM bytes of one TensorCore of ``chip`` (default: this device, else ``v5e``)."""
+    chip = chip or detect_chip() or DEFAULT_CHIP
+    chip = str(chip).lower().removeprefix("tpu").removeprefix("_").strip() or DEFAULT_CHIP
+    if chip not in VMEM_BYTES:
+        raise ValueError(f"chip: expected one of {sorted(VMEM_BYTES)}, got {chip!r}")
+    if compat.get_tpu_info_for_chip is not None and compat.ChipVersion is not None:
+        try:
+            info = compat.get_tpu_info_for_chip(compat.ChipVersion(chip), 1)
+            return int(info.vmem_capacity_bytes)
+        except (ValueError, TypeError):
+            pass
+    return VMEM_BYTES[chip]
+
+
+def vmem_budget_bytes(chip: str | None = None) -> int:
+    """What one kernel instance may plan to use: half the VMEM, at most 48 MiB.
+
+    Half leaves room for Mosaic's own internal scratch and for the spills of the
+    ``[block_q, block_k]`` temporaries; the kernel asks the compiler for this much
+    (``vmem_limit_bytes``) rather than relying on the 16/32 MiB default scoped limit.
+    """
+    return min(vmem_capacity_bytes(chip) // 2, 48 << 20)
+
+
+def vmem_bytes(block_q: int, block_k: int, head_dim: int, dtype, *, head_dim_v: int | None = None,
+               bias_dtype=None, has_mask: bool = False, has_segments: bool = False,
+               return_lse: bool = False, buffers: int = 2) -> int:
+    """Estimated VMEM footprint (bytes) of one forward-kernel instance.
+
+    Pipelined blocks count ``buffers`` times (2 = double buffering: the block in use and the
+    next one in flight): Q ``[block_q, d]``, K ``[block_k, d]``, V ``[block_k, d_v]``, O
+    ``[block_q, d_v]``, and optionally bias/mask ``[block_q, block_k]``, segment ids
+    (``[block_q, 128]`` and ``[8, block_k]`` int32) and lse ``[block_q, 128]`` float32. Scratch
+    counts once: m and l ``[block_q, 128]`` float32 (lane-replicated), acc ``[block_q, d_v]``
+    float32. Temporaries: S and P ``[block_q, block_k]`` float32. head dims are lane-padded.
+    """
+    e = jnp.dtype(dtype).itemsize
+    d, dv = lane_pad(head_dim), lane_pad(head_dim_v or head_dim)
+    blocks = (block_q * d + block_k * d + block_k * dv + block_q * dv) * e
+    if bias_dtype is not None:
+        blocks += block_q * block_k * jnp.dtype(bias_dtype).itemsize
+    if has_mask:
+        blocks += block_q * block_k
+    if has_segments:
+        blocks += (block_q * LANES + SUBLANES * block_k) * 4
+    if return_lse:
+        blocks += block_q * LANES * 4
+    scratch = (2 * block_q * LANES + block_q * dv) * 4
+    temps = 2 * block_q * block_k * 4
+    return buffers * blocks + scratch + temps
+
+
+def _sublane_rule(dtype, bias_dtype=None, has_mask=False) -> int:
+    rule = sublane_tile(dtype)
+    if bias_dtype is not None:
+        rule = max(rule, sublane_tile(bias_dtype))
+    if has_mask:
+        rule = max(rule, sublane_tile(jnp.int8))
+    return rule
+
+
+def check_block_sizes(block_q, block_k, *, head_dim, dtype, head_dim_v=None, bias_dtype=None,
+                      has_mask=False, has_segments=False, return_lse=False, chip=None) -> None:
+    """Raise ``ValueError`` naming the argument if a block size breaks tiling or VMEM."""
+    for name, b in (("block_q", block_q), ("block_k", block_k)):
+        if isinstance(b, bool) or not isinstance(b, (int, np.integer)):
+            raise TypeError(f"{name}: expected a positive int, got {b!r}")
+        if b < 1:
+            raise ValueError(f"{name}: expected a positive int, got {b}")
+    rule = _sublane_rule(dtype, bias_dtype, has_mask)
+    if block_q % rule:
+        why = (f"{jnp.dtype(dtype).name} rows" if rule == sublane_tile(dtype) else
+               "int8 mask rows" if has_mask and rule == 32 else "bias rows")
+        raise ValueError(f"block_q: expected a multiple of {rule} (the sublane tile of the "
+                         f"{why}: the (8, 128) tiling rule), got {block_q}")
+    if block_k % LANES:
+        raise ValueError(f"block_k: expected a multiple of {LANES} (block_k is the lane dim of "
+                         f"the score/bias/mask blocks: the (8, 128) tiling rule), got {block_k}")
+    need = vmem_bytes(block_q, block_k, head_dim, dtype, head_dim_v=head_dim_v,
+                      bias_dtype=bias_dtype, has_mask=has_mask, has_segments=has_segments,
+                      return_lse=return_lse)
+    budget = vmem_budget_bytes(chip)
+    if need > budget:
+        raise ValueError(f"block_q, block_k: ({block_q}, {block_k}) need about {need / 2**20:.1f}"
+                         f" MiB of VMEM (double-buffered blocks + scratch), over the budget of "
+                         f"{budget / 2**20:.1f} MiB; use smaller blocks")
+
+
+def choose_block_sizes(q_len: int, kv_len: int, head_dim: int, dtype, chip: str | None = None,
+                       *, head_dim_v: int | None = None, bias_dtype=None, has_mask=False,
+                       has_segments=False, return_lse=False) -> tuple[int, int]:
+    """Default ``(block_q, block_k)`` for a problem on a TPU generation.
+
+    Start from large blocks (B_r = 512, B_c = 1024: few grid steps, long DMAs, a full MXU;
+    fixed 128-blocks leave a v5e/v6e MXU waiting on per-step overhead), never larger than the
+    (padded) sequence, then halve B_c, then B_r, until :func:`vmem_bytes` fits
+    :func:`vmem_budget_bytes` of ``chip``. Both respect the tiling rule.
+    """
+    rule = _sublane_rule(dtype, bias_dtype, has_mask)
+    budget = vmem_budget_bytes(chip)
+    bq = min(512, round_up(q_len, rule))
+    bk = min(1024 if lane_pad(head_dim) <= 128 else 512, round_up(kv_len, LANES))
+
+    def fits(bq, bk):
+        return vmem_bytes(bq, bk, head_dim, dtype, head_dim_v=head_dim_v, bias_dtype=bias_dtype,
+                          has_mask=has_mask, has_segments=has_segments,
+                          return_lse=return_lse) <= budget
+
+    while not fits(bq, bk):
+        if bk > 256 or (bk > LANES and bq <= 128):
+            bk = max(LANES, round_up(bk // 2, LANES))
+        elif bq > rule:
+            bq = max(rule, round_up(bq // 2, rule))
+        else:  # pragma: no cover - the smallest blocks fit every chip
+            break
+    return int(bq), int(bk)
+
+
+# ----------------------------------------------------------------------------- block skipping
+
+def _is_static(*xs) -> bool:
+    return all(isinstance(x, (int, np.integer)) for x in xs)
+
+
+def _min(a, b):
+    return min(a, b) if _is_static(a, b) else jnp.minimum(a, b)
+
+
+def _max(a, b):
+    return max(a, b) if _is_static(a, b) else jnp.maximum(a, b)
+
+
+def div_nonneg(a, b):
+    """``a // b`` for ``a, b >= 0`` on ints or traced int32 (index maps)."""
+    # Both operands are >= 0 here, so truncating division is floor division; lax.div keeps
+    # the scalar index-map code free of the sign fix-ups that jnp.floor_divide adds.
+    if _is_static(a, b):
+        return a // b
+    return jax.lax.div(jnp.asarray(a, jnp.int32), jnp.int32(b))
+
+
+def kv_block_range(i, q_len, kv_len, *, block_q, block_k, num_kv_blocks, is_causal=False,
+                   window=None):
+    """The kv blocks ``lo .. hi`` (inclusive) that q block ``i`` may need to see.
+
+    Keys outside ``[lo*B_c, (hi+1)*B_c)`` are invisible to every query of the block: by the
+    causal and window masks (the positional part of :func:`flashlab.masks.block_maybe_visible`,
+    whose ``True`` set this range equals exactly; the tests check it), past the valid
+    ``kv_len``, or because the whole q block is past the valid ``q_len``. ``hi < lo`` means
+    nothing is visible. Works on Python ints (replay, figures) and traced int32 (index maps).
+    """
+    q_start = i * block_q
+    q_last = q_start + block_q - 1
+    last = kv_len - 1                                   # last valid key position, >= -1
+    if is_causal:
+        last = _min(last, q_last)
+    first = 0
+    if window is not None:
+        left, right = window
+        if right is not None:
+            last = _min(last, q_last + right)
+        if left is not None:
+            first = _max(0, q_start - left)
+    # A q block entirely past q_len sees nothing (-1 keeps the division non-negative).
+    last = _max(last, -1)
+    if _is_static(q_start, q_len):
+        last = last if q_start < q_len else -1
+    else:
+        last = jnp.where(q_start < q_len, last, -1)
+    lo = div_nonneg(first, block_k)
+    hi = div_nonneg(last + block_k, block_k) - 1              # floor(last / B_c), with last >= -1
+    del num_kv_blocks                                  # lo may exceed it: then hi < lo
+    return lo, hi
+
+
+def clamp_kv_block(j, lo, hi, num_kv_blocks):
+    """The kv block a grid step fetches: ``j`` inside ``[lo, hi]``, else the nearest end.
+
+    A skipped step maps to a block that the previous step already fetched, so the pipeline
+    issues no DMA for it (Pallas copies a block only when its index changes). The result is
+    always a valid block index, also when nothing is visible (``hi < lo``).
+    """
+    lo_c = _min(lo, num_kv_blocks - 1)
+    hi_c = _max(_min(hi, num_kv_blocks - 1), lo_c)
+    return _min(_max(j, lo_c), hi_c)
+
+
+def num_visible_blocks(num_q_blocks, num_kv_blocks, *, q_len, kv_len, block_q, block_k,
+                       is_causal=False, window=None) -> int:
+    """How many (q block, kv block) pairs the kernel computes for one (batch, head)."""
+    total = 0
+    for i in range(num_q_blocks):
+        lo, hi = kv_block_range(i, q_len, kv_len, block_q=block_q, block_k=block_k,
+                                num_kv_blocks=num_kv_blocks, is_causal=is_causal, window=window)
+        total += max(0, hi - lo + 1)
+    return total
+
+
+__all__ += ["clamp_kv_block", "num_visible_blocks", "div_nonneg"]

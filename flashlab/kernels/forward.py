@@ -1,0 +1,473 @@
+"""The Pallas TPU forward kernel of FlashAttention (Dao et al. 2022, Algorithm 1).
+
+Grid ``(batch, heads, T_r, T_c)``: step ``(b, h, i, j)`` loads the query block ``Q_i``
+``[B_r, d]`` and the key/value blocks ``K_j, V_j`` ``[B_c, d]`` into VMEM and folds
+``S_ij = Q_i K_jᵀ`` into the running state ``(m, l, acc)`` kept in VMEM scratch with
+:func:`flashlab.online_softmax.update`. The kv axis ``j`` is innermost and "arbitrary" (it
+carries the state); the other three are "parallel". At the last ``j`` the state is
+finalized into ``O_i`` (and optionally ``lse_i``).
+
+Block skipping, with neither compute nor DMA: the kv index maps clamp ``j`` into the range of
+blocks q block ``i`` can see (causal, window, valid lengths; :func:`blocks.kv_block_range`), so
+a skipped step asks for the block already resident and the pipeline copies nothing; the
+kernel's ``pl.when(masks.block_maybe_visible(...))`` skips its compute.
+
+Inside, the layout is ``[batch, heads, seq, head_dim]`` padded to whole blocks (seq) and to
+128 lanes (head_dim); padding keys are masked through the kv length, which is
+scalar-prefetched into SMEM together with the q length.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import device, masks, online_softmax
+from ..masks import AttentionSpec
+from . import _pallas_compat as compat
+from . import blocks as blk
+from ._pallas_compat import pl, pltpu
+
+__all__ = ["ForwardConfig", "ForwardGridSpec", "make_config", "forward_grid_spec",
+           "flash_attention", "flash_attention_from_spec", "flash_attention_forward",
+           "SUPPORTED_DTYPES"]
+
+SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardConfig:
+    """Every static fact the forward kernel is built from (hashable: a jit static argument).
+
+    Sizes are the *padded* ones the kernel sees (``q_len_p = T_r * block_q`` and so on);
+    ``q_len``/``kv_len`` are the caller's. ``bias_bcast``/``mask_bcast`` say whether the
+    batch and head dims of bias/mask are full (False) or 1 (True).
+    """
+
+    batch: int
+    num_heads: int
+    num_kv_heads: int
+    q_len: int
+    kv_len: int
+    head_dim: int
+    head_dim_v: int
+    block_q: int
+    block_k: int
+    dtype: Any
+    scale: float
+    is_causal: bool = False
+    window: tuple[int | None, int | None] | None = None
+    soft_cap: float | None = None
+    bias_dtype: Any = None
+    bias_bcast: tuple[bool, bool] | None = None
+    mask_bcast: tuple[bool, bool] | None = None
+    has_segments: bool = False
+    mask_q_len: bool = False        # query_seq_lengths given: rows past it are masked
+    mask_kv_len: bool = False       # kv lengths given or kv padding: keys past it are masked
+    return_lse: bool = False
+
+    @property
+    def group_size(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def q_len_p(self) -> int:
+        return blk.round_up(self.q_len, self.block_q)
+
+    @property
+    def kv_len_p(self) -> int:
+        return blk.round_up(self.kv_len, self.block_k)
+
+    @property
+    def head_dim_p(self) -> int:
+        return blk.lane_pad(self.head_dim)
+
+    @property
+    def head_dim_v_p(self) -> int:
+        return blk.lane_pad(self.head_dim_v)
+
+    @property
+    def num_q_blocks(self) -> int:
+        return self.q_len_p // self.block_q
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.kv_len_p // self.block_k
+
+    @property
+    def grid(self) -> tuple[int, int, int, int]:
+        return (self.batch, self.num_heads, self.num_q_blocks, self.num_kv_blocks)
+
+
+def make_config(spec: AttentionSpec, *, block_q=None, block_k=None, return_lse=False,
+                chip=None) -> ForwardConfig:
+    """Build (and check) the kernel configuration for a validated request."""
+    dt = jnp.dtype(spec.dtype)
+    if dt not in SUPPORTED_DTYPES:
+        raise TypeError(f"query: the Pallas TPU kernel supports float32 and bfloat16, got {dt}")
+    bias_dtype = None
+    if spec.bias is not None:
+        bias_dtype = jnp.dtype(spec.bias.dtype)
+        if bias_dtype not in SUPPORTED_DTYPES:
+            bias_dtype = jnp.dtype(jnp.float32)       # converted in the wrapper
+    kw = dict(head_dim_v=spec.head_dim_v, bias_dtype=bias_dtype, has_mask=spec.mask is not None,
+              has_segments=spec.q_segment_ids is not None, return_lse=return_lse)
+    auto_q, auto_k = blk.choose_block_sizes(spec.q_len, spec.kv_len, spec.head_dim, dt, chip, **kw)
+    block_q = auto_q if block_q is None else block_q
+    block_k = auto_k if block_k is None else block_k
+    blk.check_block_sizes(block_q, block_k, head_dim=spec.head_dim, dtype=dt, chip=chip, **kw)
+    bcast = lambda a: None if a is None else (a.shape[0] == 1 and spec.batch > 1,  # noqa: E731
+                                              a.shape[1] == 1 and spec.num_heads > 1)
+    cfg = ForwardConfig(
+        batch=spec.batch, num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
+        q_len=spec.q_len, kv_len=spec.kv_len, head_dim=spec.head_dim,
+        head_dim_v=spec.head_dim_v, block_q=int(block_q), block_k=int(block_k), dtype=dt,
+        scale=spec.scale, is_causal=spec.is_causal, window=spec.window,
+        soft_cap=spec.soft_cap, bias_dtype=bias_dtype, bias_bcast=bcast(spec.bias),
+        mask_bcast=bcast(spec.mask), has_segments=spec.q_segment_ids is not None,
+        mask_q_len=spec.q_lengths is not None,
+        mask_kv_len=spec.kv_lengths is not None or blk.round_up(spec.kv_len, int(block_k)) != spec.kv_len,
+        return_lse=return_lse)
+    return cfg
+
+
+# ----------------------------------------------------------------------------- grid as data
+
+@dataclasses.dataclass(frozen=True)
+class ForwardGridSpec:
+    """The forward kernel's grid and BlockSpecs, exactly the objects ``pallas_call`` gets.
+
+    ``in_specs[k]`` / ``out_specs[k]`` describe operand ``in_names[k]`` / ``out_names[k]``;
+    every ``index_map`` is a plain Python function ``(b, h, i, j, q_lengths, kv_lengths) ->
+    block index`` that also runs on ints and NumPy arrays, so ``flashlab.traffic`` and the
+    figures can replay it to count which blocks move at which step. The two scalar-prefetch
+    operands (int32 ``[batch]`` q and kv lengths) come first in the call and in every index map.
+    """
+
+    config: ForwardConfig
+    grid: tuple[int, ...]
+    in_names: tuple[str, ...]
+    in_specs: tuple[Any, ...]
+    in_shapes: tuple[jax.ShapeDtypeStruct, ...]
+    out_names: tuple[str, ...]
+    out_specs: tuple[Any, ...]
+    out_shapes: tuple[jax.ShapeDtypeStruct, ...]
+    scratch_shapes: tuple[Any, ...]
+    num_scalar_prefetch: int = 2
+    dimension_semantics: tuple[str, ...] = ("parallel", "parallel", "parallel", "arbitrary")
+
+    def pallas_grid_spec(self):
+        """The ``pltpu.PrefetchScalarGridSpec`` handed to ``pallas_call``."""
+        return compat.PrefetchScalarGridSpec(
+            num_scalar_prefetch=self.num_scalar_prefetch, grid=self.grid,
+            in_specs=list(self.in_specs), out_specs=list(self.out_specs),
+            scratch_shapes=list(self.scratch_shapes))
+
+    def spec(self, name: str):
+        """The BlockSpec of operand ``name`` (an input or an output)."""
+        names = self.in_names + self.out_names
+        return (self.in_specs + self.out_specs)[names.index(name)]
+
+    def shape(self, name: str) -> jax.ShapeDtypeStruct:
+        names = self.in_names + self.out_names
+        return (self.in_shapes + self.out_shapes)[names.index(name)]
+
+
+def _kv_range(cfg: ForwardConfig, b, i, q_lengths, kv_lengths):
+    return blk.kv_block_range(i, q_lengths[b], kv_lengths[b], block_q=cfg.block_q,
+                              block_k=cfg.block_k, num_kv_blocks=cfg.num_kv_blocks,
+                              is_causal=cfg.is_causal, window=cfg.window)
+
+
+def forward_grid_spec(cfg: ForwardConfig) -> ForwardGridSpec:
+    """Build the grid, BlockSpecs (with their index maps) and scratch of the forward kernel."""
+    B, N, G = cfg.batch, cfg.num_heads, cfg.group_size
+    bq, bk = cfg.block_q, cfg.block_k
+    Tp, Sp, Dp, Dvp = cfg.q_len_p, cfg.kv_len_p, cfg.head_dim_p, cfg.head_dim_v_p
+
+    def kv_block(b, i, j, q_lengths, kv_lengths):
+        lo, hi = _kv_range(cfg, b, i, q_lengths, kv_lengths)
+        return blk.clamp_kv_block(j, lo, hi, cfg.num_kv_blocks)
+
+    def q_index_map(b, h, i, j, q_lengths, kv_lengths):       # Q_i, O_i: fixed over j
+        return (b, h, i, 0)
+
+    def kv_index_map(b, h, i, j, q_lengths, kv_lengths):      # K_j, V_j of kv head h // G
+        return (b, blk.div_nonneg(h, G), kv_block(b, i, j, q_lengths, kv_lengths), 0)
+
+    def scores_index_map_for(bcast):                          # bias/mask blocked like S_ij
+        def scores_index_map(b, h, i, j, q_lengths, kv_lengths):
+            return (0 if bcast[0] else b, 0 if bcast[1] else h, i,
+                    kv_block(b, i, j, q_lengths, kv_lengths))
+        return scores_index_map
+
+    def q_seg_index_map(b, h, i, j, q_lengths, kv_lengths):
+        return (b, i, 0)
+
+    def kv_seg_index_map(b, h, i, j, q_lengths, kv_lengths):
+        return (b, 0, kv_block(b, i, j, q_lengths, kv_lengths))
+
+    sds = jax.ShapeDtypeStruct
+    names = ["q", "k", "v"]
+    specs = [pl.BlockSpec((None, None, bq, Dp), q_index_map),
+             pl.BlockSpec((None, None, bk, Dp), kv_index_map),
+             pl.BlockSpec((None, None, bk, Dvp), kv_index_map)]
+    shapes = [sds((B, N, Tp, Dp), cfg.dtype), sds((B, cfg.num_kv_heads, Sp, Dp), cfg.dtype),
+              sds((B, cfg.num_kv_heads, Sp, Dvp), cfg.dtype)]
+    if cfg.bias_bcast is not None:
+        names.append("bias")
+        specs.append(pl.BlockSpec((None, None, bq, bk), scores_index_map_for(cfg.bias_bcast)))
+        shapes.append(sds((1 if cfg.bias_bcast[0] else B, 1 if cfg.bias_bcast[1] else N, Tp, Sp),
+                          cfg.bias_dtype))
+    if cfg.mask_bcast is not None:
+        names.append("mask")
+        specs.append(pl.BlockSpec((None, None, bq, bk), scores_index_map_for(cfg.mask_bcast)))
+        shapes.append(sds((1 if cfg.mask_bcast[0] else B, 1 if cfg.mask_bcast[1] else N, Tp, Sp),
+                          jnp.int8))
+    if cfg.has_segments:
+        # Segment ids lane-/sublane-replicated so their blocks obey the (8, 128) rule:
+        # q ids [B, T, 128] (block [B_r, 128]), kv ids [B, 8, S] (block [8, B_c]).
+        names += ["q_segment_ids", "kv_segment_ids"]
+        specs += [pl.BlockSpec((None, bq, blk.LANES), q_seg_index_map),
+                  pl.BlockSpec((None, blk.SUBLANES, bk), kv_seg_index_map)]
+        shapes += [sds((B, Tp, blk.LANES), jnp.int32), sds((B, blk.SUBLANES, Sp), jnp.int32)]
+    out_names = ["o"]
+    out_specs = [pl.BlockSpec((None, None, bq, Dvp), q_index_map)]
+    out_shapes = [sds((B, N, Tp, Dvp), cfg.dtype)]
+    if cfg.return_lse:   # lse lane-replicated [B, N, T, 128] (a [B_r] vector is not a tile)
+        out_names.append("lse")
+        out_specs.append(pl.BlockSpec((None, None, bq, blk.LANES), q_index_map))
+        out_shapes.append(sds((B, N, Tp, blk.LANES), jnp.float32))
+    scratch = (compat.VMEM((bq, blk.LANES), jnp.float32),   # m, lane-replicated
+               compat.VMEM((bq, blk.LANES), jnp.float32),   # l, lane-replicated
+               compat.VMEM((bq, Dvp), jnp.float32))         # acc (unnormalised O)
+    return ForwardGridSpec(config=cfg, grid=cfg.grid, in_names=tuple(names),
+                           in_specs=tuple(specs), in_shapes=tuple(shapes),
+                           out_names=tuple(out_names), out_specs=tuple(out_specs),
+                           out_shapes=tuple(out_shapes), scratch_shapes=scratch)
+
+
+# ----------------------------------------------------------------------------- the kernel
+
+def _forward_kernel(q_lengths_ref, kv_lengths_ref, *refs, cfg: ForwardConfig, names):
+    """One grid step ``(b, h, i, j)``: fold S_ij into (m, l, acc); finalize at the last j."""
+    n_in = len(names)
+    ins = dict(zip(names, refs[:n_in]))
+    outs = refs[n_in:n_in + 1 + cfg.return_lse]
+    m_ref, l_ref, acc_ref = refs[n_in + 1 + cfg.return_lse:]
+    b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+    bq, bk = cfg.block_q, cfg.block_k
+    q_len, kv_len = q_lengths_ref[b], kv_lengths_ref[b]          # int32 scalars from SMEM
+
+    @pl.when(j == 0)
+    def _init():                                                  # m = -inf, l = 0, acc = 0
+        m_ref[...] = jnp.full(m_ref.shape, online_softmax.NEG_INF, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    q_start, k_start = i * bq, j * bk
+    run = jnp.logical_and(
+        masks.block_maybe_visible(q_start, q_start + bq, k_start, k_start + bk,
+                                  is_causal=cfg.is_causal, window=cfg.window),
+        jnp.logical_and(k_start < kv_len, q_start < q_len))
+
+    @pl.when(run)
+    def _compute():
+        q = ins["q"][...]                                         # [B_r, d]
+        k = ins["k"][...]                                         # [B_c, d]
+        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                                preferred_element_type=jnp.float32) * cfg.scale  # [B_r, B_c]
+        if cfg.soft_cap is not None:
+            s = cfg.soft_cap * jnp.tanh(s / cfg.soft_cap)
+        if "bias" in ins:
+            s = s + ins["bias"][...].astype(jnp.float32)
+        q_pos = q_start + jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
+        k_pos = k_start + jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
+        q_seg = kv_seg = None
+        if cfg.has_segments:
+            q_seg = jnp.tile(ins["q_segment_ids"][...], (1, bk // blk.LANES))   # [B_r, B_c]
+            kv_seg = ins["kv_segment_ids"][...][:1, :]                          # [1, B_c]
+        visible = masks.structural_visible(
+            q_pos, k_pos, is_causal=cfg.is_causal, window=cfg.window,
+            q_len=q_len if cfg.mask_q_len else None,
+            kv_len=kv_len if cfg.mask_kv_len else None, q_seg=q_seg, kv_seg=kv_seg)
+        if "mask" in ins:
+            visible = jnp.logical_and(visible, ins["mask"][...] != 0)
+        # m and l are lane-replicated [B_r, 128]: a lane max recovers the [B_r] vector.
+        state = online_softmax.State(jnp.max(m_ref[...], axis=-1), jnp.max(l_ref[...], axis=-1),
+                                     acc_ref[...])
+        m, l, acc = online_softmax.update(state, s, ins["v"][...], visible=visible)
+        m_ref[...] = jnp.broadcast_to(m[:, None], m_ref.shape)
+        l_ref[...] = jnp.broadcast_to(l[:, None], l_ref.shape)
+        acc_ref[...] = acc
+
+    @pl.when(j == cfg.num_kv_blocks - 1)
+    def _finalize():                                              # O_i = acc / l
+        state = online_softmax.State(jnp.max(m_ref[...], axis=-1), jnp.max(l_ref[...], axis=-1),
+                                     acc_ref[...])
+        o, lse = online_softmax.finalize(state)
+        outs[0][...] = o.astype(outs[0].dtype)
+        if cfg.return_lse:
+            outs[1][...] = jnp.broadcast_to(lse[:, None], outs[1].shape)
+
+
+def _cost_estimate(cfg: ForwardConfig, gs: ForwardGridSpec) -> Any:
+    """FLOPs, exps and HBM bytes, counting only the (q block, kv block) pairs computed.
+
+    Positional skipping (causal, window, padding) is known statically; data-dependent
+    lengths are not, so they are assumed full here.
+    """
+    visible = blk.num_visible_blocks(cfg.num_q_blocks, cfg.num_kv_blocks, q_len=cfg.q_len_p,
+                                     kv_len=cfg.kv_len, block_q=cfg.block_q, block_k=cfg.block_k,
+                                     is_causal=cfg.is_causal, window=cfg.window)
+    bh = cfg.batch * cfg.num_heads
+    pairs = bh * visible
+    tile = cfg.block_q * cfg.block_k
+
+    def block_bytes(name):   # bytes of one block of operand ``name``
+        spec, shape = gs.spec(name), gs.shape(name)
+        return int(np.prod([d for d in spec.block_shape if d is not None])) * \
+            jnp.dtype(shape.dtype).itemsize
+
+    read = 0
+    for name in gs.in_names:
+        if name in ("q", "q_segment_ids"):      # once per (b, h, i)
+            read += bh * cfg.num_q_blocks * block_bytes(name)
+        else:                                   # once per computed (b, h, i, j)
+            read += pairs * block_bytes(name)
+    written = sum(bh * cfg.num_q_blocks * block_bytes(n) for n in gs.out_names)
+    return compat.CostEstimate(flops=int(2 * pairs * tile * (cfg.head_dim_p + cfg.head_dim_v_p)),
+                               transcendentals=int(pairs * tile),
+                               bytes_accessed=int(read + written))
+
+
+def _pallas_forward(cfg: ForwardConfig, interpret, q_lengths, kv_lengths, *operands):
+    gs = forward_grid_spec(cfg)
+    kernel = functools.partial(_forward_kernel, cfg=cfg, names=gs.in_names)
+    kwargs = {}
+    if interpret is False:   # compiled: ask Mosaic for the VMEM the blocks were sized for
+        kwargs["vmem_limit_bytes"] = int(min(blk.vmem_capacity_bytes() * 3 // 4,
+                                             2 * blk.vmem_budget_bytes()))
+    out = pl.pallas_call(
+        kernel,
+        grid_spec=gs.pallas_grid_spec(),
+        out_shape=list(gs.out_shapes),
+        compiler_params=compat.CompilerParams(dimension_semantics=gs.dimension_semantics,
+                                              **kwargs),
+        cost_estimate=_cost_estimate(cfg, gs),
+        interpret=interpret,
+        name="flashlab_flash_forward",
+    )(q_lengths, kv_lengths, *operands)
+    return out
+
+
+def _prepare(cfg: ForwardConfig, query, key, value, spec: AttentionSpec):
+    """Public layout -> the kernel's padded operands and scalar-prefetch lengths."""
+    Tp, Sp, Dp, Dvp = cfg.q_len_p, cfg.kv_len_p, cfg.head_dim_p, cfg.head_dim_v_p
+
+    def to_kernel(x, T, D):   # [B, T, H, d] -> [B, H, T_pad, d_pad], zeros in the padding
+        x = jnp.swapaxes(x, 1, 2)
+        return jnp.pad(x, ((0, 0), (0, 0), (0, T - x.shape[2]), (0, D - x.shape[3])))
+
+    ops = [to_kernel(query, Tp, Dp), to_kernel(key, Sp, Dp), to_kernel(value, Sp, Dvp)]
+    pad_scores = lambda a: jnp.pad(a, ((0, 0), (0, 0), (0, Tp - cfg.q_len),  # noqa: E731
+                                       (0, Sp - cfg.kv_len)))
+    if spec.bias is not None:
+        ops.append(pad_scores(spec.bias.astype(cfg.bias_dtype)))
+    if spec.mask is not None:
+        ops.append(pad_scores(spec.mask.astype(jnp.int8)))
+    if spec.q_segment_ids is not None:
+        qs = jnp.pad(spec.q_segment_ids, ((0, 0), (0, Tp - cfg.q_len)))
+        ks = jnp.pad(spec.kv_segment_ids, ((0, 0), (0, Sp - cfg.kv_len)))
+        ops.append(jnp.broadcast_to(qs[:, :, None], (cfg.batch, Tp, blk.LANES)))
+        ops.append(jnp.broadcast_to(ks[:, None, :], (cfg.batch, blk.SUBLANES, Sp)))
+    full = lambda n: jnp.full((cfg.batch,), n, jnp.int32)  # noqa: E731
+    q_lengths = full(cfg.q_len) if spec.q_lengths is None else spec.q_lengths.astype(jnp.int32)
+    kv_lengths = full(cfg.kv_len) if spec.kv_lengths is None else spec.kv_lengths.astype(jnp.int32)
+    return q_lengths, kv_lengths, ops
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "interpret"))
+def _forward(query, key, value, spec, *, cfg: ForwardConfig, interpret):
+    q_lengths, kv_lengths, ops = _prepare(cfg, query, key, value, spec)
+    outs = _pallas_forward(cfg, interpret, q_lengths, kv_lengths, *ops)
+    o = jnp.swapaxes(outs[0][:, :, :cfg.q_len, :cfg.head_dim_v], 1, 2)   # [B, T, N, d_v]
+    lse = outs[1][:, :, :cfg.q_len, 0] if cfg.return_lse else None      # [B, N, T]
+    return o, lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _attention(query, key, value, spec, cfg, interpret):
+    return _forward(query, key, value, spec, cfg=cfg, interpret=interpret)[0]
+
+
+def _attention_fwd(query, key, value, spec, cfg, interpret):
+    return _attention(query, key, value, spec, cfg, interpret), None
+
+
+def _attention_bwd(cfg, interpret, residuals, d_out):
+    raise NotImplementedError(
+        "flashlab.kernels.flash_attention is forward-only: its Pallas backward kernel lands in "
+        "chapter 07. For gradients use flashlab.tiled.tiled_attention (or the reference rung).")
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def _resolve_interpret(interpret):
+    mode = device.interpret_mode(interpret)
+    if not (isinstance(mode, bool) or compat.is_interpret_params(mode)):
+        raise TypeError(f"interpret: expected None, a bool or a pltpu.InterpretParams, got "
+                        f"{interpret!r}")
+    return mode
+
+
+def flash_attention_from_spec(query, key, value, spec: AttentionSpec, *, block_q=None,
+                              block_k=None, interpret=None):
+    """The forward kernel on already validated inputs (what the backend registry calls)."""
+    cfg = make_config(spec, block_q=block_q, block_k=block_k)
+    return _attention(query, key, value, spec, cfg, _resolve_interpret(interpret))
+
+
+def flash_attention_forward(query, key, value, spec: AttentionSpec, *, block_q=None,
+                            block_k=None, interpret=None):
+    """Forward with residuals for a backward kernel: ``(out [B, T, N, d_v], lse [B, N, T])``.
+
+    ``lse`` is float32, ``-inf`` on rows with no visible key. Not differentiable.
+    """
+    cfg = make_config(spec, block_q=block_q, block_k=block_k, return_lse=True)
+    return _forward(query, key, value, spec, cfg=cfg, interpret=_resolve_interpret(interpret))
+
+
+def flash_attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
+                    query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
+                    segment_ids=None, logits_soft_cap=None, block_q=None, block_k=None,
+                    interpret=None):
+    """FlashAttention forward as a Pallas TPU kernel.
+
+    Same arguments, semantics and validation as :func:`flashlab.reference.naive_attention`
+    (layout ``[batch, seq, heads, head_dim]``; float32 or bfloat16; any lengths; GQA/MQA),
+    plus:
+
+      block_q, block_k: B_r and B_c. Default: :func:`flashlab.kernels.choose_block_sizes` for
+        this TPU generation. block_q must be a multiple of the sublane tile (8 fp32, 16 bf16,
+        32 with a mask), block_k of 128, and the blocks must fit the VMEM budget; otherwise
+        ``ValueError`` naming the argument.
+      interpret: ``None`` (compiled with Mosaic on a TPU, the generic interpreter elsewhere),
+        ``True``/``False``, or a ``pltpu.InterpretParams`` (TPU interpret mode).
+
+    Returns ``[batch, q_seq, heads, head_dim_v]`` in the query's dtype (fp32 accumulation).
+    Rows with no visible key are zeros. Forward only: ``jax.grad`` raises
+    ``NotImplementedError`` (the backward kernel is chapter 07).
+    """
+    query, key, value, spec = masks.validate(
+        query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+        query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+        local_window_size=local_window_size, segment_ids=segment_ids,
+        logits_soft_cap=logits_soft_cap)
+    return flash_attention_from_spec(query, key, value, spec, block_q=block_q, block_k=block_k,
+                                     interpret=interpret)

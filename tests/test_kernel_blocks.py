@@ -1,0 +1,126 @@
+"""Block sizes, the VMEM estimate, and block skipping replayed from the kernel's own index maps."""
+import itertools
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flashlab import masks
+from flashlab.kernels import blocks as blk
+from flashlab.kernels import (choose_block_sizes, forward_grid_spec, make_config, vmem_bytes,
+                              vmem_capacity_bytes)
+from flashlab.kernels import _pallas_compat as compat
+from flashlab.masks import validate
+
+
+def test_vmem_table_matches_jax_tpu_info():
+    for chip, nbytes in blk.VMEM_BYTES.items():
+        assert vmem_capacity_bytes(chip) == nbytes
+    if compat.get_tpu_info_for_chip is not None:
+        info = compat.get_tpu_info_for_chip(compat.ChipVersion("v5e"), 1)
+        assert info.vmem_capacity_bytes == 128 << 20
+    with pytest.raises(ValueError, match="chip: expected one of"):
+        vmem_capacity_bytes("v9z")
+
+
+def test_vmem_bytes_counts_double_buffering():
+    one = vmem_bytes(128, 128, 128, jnp.float32, buffers=1)
+    two = vmem_bytes(128, 128, 128, jnp.float32, buffers=2)
+    blocks = 4 * 128 * 128 * 4                           # Q, K, V, O blocks
+    assert two - one == blocks
+    assert vmem_bytes(128, 128, 64, jnp.float32) == two   # head_dim 64 is lane-padded to 128
+    assert vmem_bytes(128, 128, 128, jnp.float32, bias_dtype=jnp.float32) > two
+
+
+@pytest.mark.parametrize("chip", ["v4", "v5e", "v5p", "v6e", "7x"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("q_len, kv_len, d", [(1, 1, 64), (100, 3000, 80), (8192, 8192, 128),
+                                              (32768, 32768, 256)])
+def test_choose_block_sizes_obeys_tiling_and_budget(chip, dtype, q_len, kv_len, d):
+    bq, bk = choose_block_sizes(q_len, kv_len, d, dtype, chip)
+    assert bq % blk.sublane_tile(dtype) == 0 and bk % 128 == 0
+    assert bq <= blk.round_up(q_len, blk.sublane_tile(dtype)) and bk <= blk.round_up(kv_len, 128)
+    assert vmem_bytes(bq, bk, d, dtype) <= blk.vmem_budget_bytes(chip)
+    blk.check_block_sizes(bq, bk, head_dim=d, dtype=dtype, chip=chip)   # does not raise
+
+
+def test_long_sequences_get_blocks_larger_than_128():
+    bq, bk = choose_block_sizes(8192, 8192, 128, jnp.bfloat16, "v5e")
+    assert bq >= 256 and bk >= 512
+    # v4 has 16 MiB of VMEM: the same problem gets no larger blocks there.
+    bq4, bk4 = choose_block_sizes(8192, 8192, 256, jnp.float32, "v4")
+    assert bq4 * bk4 <= bq * bk
+
+
+def test_a_mask_needs_int8_tiles():
+    bq, _ = choose_block_sizes(50, 50, 64, jnp.float32, has_mask=True)
+    assert bq % 32 == 0
+
+
+@pytest.mark.parametrize("is_causal, window", [(False, None), (True, None), (False, (5, 2)),
+                                               (True, (9, 0)), (False, (None, 0)), (False, (0, None)),
+                                               (False, (300, 300))])
+def test_kv_block_range_is_block_maybe_visible(is_causal, window):
+    """The index maps' range equals the kernel's pl.when predicate at every (i, j)."""
+    for bq, bk, q_len, kv_len in itertools.product([8, 32], [128, 256], [1, 40, 300], [0, 1, 200, 700]):
+        nq, nk = blk.round_up(q_len, bq) // bq, max(1, blk.round_up(kv_len, bk) // bk)
+        for i, j in itertools.product(range(nq), range(nk)):
+            lo, hi = blk.kv_block_range(i, q_len, kv_len, block_q=bq, block_k=bk, num_kv_blocks=nk,
+                                        is_causal=is_causal, window=window)
+            q0, k0 = i * bq, j * bk
+            run = bool(masks.block_maybe_visible(q0, q0 + bq, k0, k0 + bk, is_causal=is_causal,
+                                                 window=window)) and k0 < kv_len and q0 < q_len
+            assert (lo <= j <= hi) == run, (bq, bk, q_len, kv_len, i, j, lo, hi)
+            assert 0 <= blk.clamp_kv_block(j, lo, hi, nk) < nk
+
+
+def _replay(gs, name, q_lengths, kv_lengths):
+    """Block index of operand ``name`` at every grid step, from the kernel's own index map."""
+    spec = gs.spec(name)
+    return {idx: spec.index_map(*idx, q_lengths, kv_lengths)
+            for idx in itertools.product(*(range(g) for g in gs.grid))}
+
+
+@pytest.mark.parametrize("kw", [{"is_causal": True}, {"local_window_size": (40, 0)},
+                                {"key_value_seq_lengths": np.array([100, 700], np.int32)}])
+def test_skipped_steps_fetch_nothing(kw):
+    B, T, S, N = 2, 512, 768, 2
+    q = np.zeros((B, T, N, 64), np.float32)
+    k = np.zeros((B, S, N, 64), np.float32)
+    *_, spec = validate(q, k, k, **kw)
+    cfg = make_config(spec, block_q=128, block_k=128)
+    gs = forward_grid_spec(cfg)
+    ql = np.full(B, T, np.int32)
+    kl = np.asarray(spec.kv_lengths) if spec.kv_lengths is not None else np.full(B, S, np.int32)
+    idx = _replay(gs, "k", ql, kl)
+    steps = sorted(idx)
+    fetches = computed = 0
+    for n, step in enumerate(steps):
+        b, h, i, j = step
+        lo, hi = blk.kv_block_range(i, ql[b], kl[b], block_q=128, block_k=128,
+                                    num_kv_blocks=cfg.num_kv_blocks, is_causal=cfg.is_causal,
+                                    window=cfg.window)
+        if lo <= j <= hi:
+            computed += 1
+            assert idx[step] == (b, h, j, 0)               # a computed step sees its own block
+        if n == 0 or idx[step] != idx[steps[n - 1]]:
+            fetches += 1                                   # the pipeline copies only on change
+    assert fetches <= computed + B * N * cfg.num_q_blocks   # <= one extra per q block
+    assert computed < B * N * cfg.num_q_blocks * cfg.num_kv_blocks
+
+
+def test_grid_spec_is_what_pallas_call_gets():
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((2, 50, 4, 64)).astype(np.float32)
+    k = rng.standard_normal((2, 70, 2, 64)).astype(np.float32)
+    *_, spec = validate(q, k, k, bias=np.zeros((1, 4, 50, 70), np.float32), is_causal=True,
+                        segment_ids=(np.zeros((2, 50), np.int32), np.zeros((2, 70), np.int32)))
+    cfg = make_config(spec, block_q=16, block_k=128)
+    gs = forward_grid_spec(cfg)
+    assert gs.grid == (2, 4, 4, 1)
+    assert gs.in_names == ("q", "k", "v", "bias", "q_segment_ids", "kv_segment_ids")
+    assert gs.spec("k").index_map(1, 3, 0, 0, np.array([50, 50]), np.array([70, 70])) == (1, 1, 0, 0)
+    assert gs.spec("bias").index_map(1, 3, 2, 0, np.array([50, 50]), np.array([70, 70])) == (0, 3, 2, 0)
+    assert gs.dimension_semantics == ("parallel", "parallel", "parallel", "arbitrary")
+    pgs = gs.pallas_grid_spec()
+    assert pgs.num_scalar_prefetch == 2

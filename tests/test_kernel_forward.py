@@ -1,0 +1,201 @@
+"""The Pallas forward kernel against the float64 oracle: breadth (generic interpreter),
+depth (TPU interpret mode with the race detector and NaN-poisoned memory), errors.
+
+Tolerances (unit-normal inputs): float32 max abs error <= 2e-5. bfloat16: the oracle runs on
+the bf16-rounded inputs and the bound is 2e-2 (P is rounded to bf16 before the PV matmul, as
+on the MXU; observed ~1e-2 at head_dim 128).
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from cases import MASK_OPTIONS, mask_kwargs
+from conftest import random_qkv
+from flashlab import device
+from flashlab.kernels import _pallas_compat as compat
+from flashlab.kernels import flash_attention, flash_attention_forward
+from flashlab.masks import validate
+from flashlab.reference import oracle_attention
+
+F32_TOL = 2e-5
+BF16_TOL = 2e-2
+
+
+def _check(q, k, v, kw, *, dtype=np.float32, interpret=True, **blocks):
+    qj, kj, vj = (jnp.asarray(x, dtype) for x in (q, k, v))
+    out = flash_attention(qj, kj, vj, **kw, interpret=interpret, **blocks)
+    assert out.dtype == jnp.dtype(dtype) and out.shape == q.shape[:3] + (v.shape[3],)
+    # The oracle sees exactly the inputs the kernel saw (bf16-rounded for bf16).
+    ref = oracle_attention(*(np.asarray(x.astype(jnp.float32)) for x in (qj, kj, vj)), **kw)
+    got = np.asarray(out.astype(jnp.float32))
+    assert np.isfinite(got).all()
+    err = np.abs(got - ref).max()
+    assert err <= (F32_TOL if dtype == np.float32 else BF16_TOL), err
+    return got, ref
+
+
+@pytest.mark.parametrize("option", MASK_OPTIONS)
+def test_every_mask_option(option):
+    rng = np.random.default_rng(1)
+    B, T, S, N, K, H = 2, 45, 45, 4, 2, 64
+    q, k, v = random_qkv(rng, B, T, S, N, K, H)
+    _check(q, k, v, mask_kwargs(option, rng, B, T, S, N), block_q=32, block_k=128)
+
+
+@pytest.mark.parametrize("option", ["causal", "window_pair", "segments_pair", "seq_lengths",
+                                    "dense_mask", "bias", "everything"])
+def test_cross_attention_with_several_kv_blocks(option):
+    rng = np.random.default_rng(2)
+    B, T, S, N, K, H = 2, 37, 300, 2, 1, 64     # Tq != Tk, 3 kv blocks, MQA
+    q, k, v = random_qkv(rng, B, T, S, N, K, H)
+    _check(q, k, v, mask_kwargs(option, rng, B, T, S, N), block_q=32, block_k=128)
+
+
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
+def test_head_dims_and_dtypes(head_dim, dtype):
+    rng = np.random.default_rng(3)
+    q, k, v = random_qkv(rng, 1, 70, 70, 2, 2, head_dim)
+    _check(q, k, v, {"is_causal": True}, dtype=dtype)
+
+
+def test_value_head_dim_differs():
+    rng = np.random.default_rng(4)
+    q, k, v = random_qkv(rng, 1, 20, 33, 2, 1, 64, Hv=96)
+    _check(q, k, v, {"local_window_size": 4})
+
+
+@settings(deadline=None, max_examples=20)
+@given(data=st.data())
+def test_hypothesis_breadth(data):
+    B = data.draw(st.integers(1, 2), "B")
+    T = data.draw(st.integers(1, 140), "T")
+    S = data.draw(st.integers(1, 140), "S") if data.draw(st.booleans(), "cross") else T
+    K = data.draw(st.sampled_from([1, 2]), "K")
+    N = K * data.draw(st.sampled_from([1, 2]), "G")
+    H = data.draw(st.sampled_from([64, 80, 96, 128, 256]), "H")
+    dtype = data.draw(st.sampled_from([np.float32, jnp.bfloat16]), "dtype")
+    option = data.draw(st.sampled_from(MASK_OPTIONS), "option")
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**16), "seed"))
+    kw = mask_kwargs(option, rng, B, T, S, N)
+    sub = 32 if "mask" in kw else 16 if dtype != np.float32 else 8
+    blocks = data.draw(st.sampled_from([{}, {"block_q": sub, "block_k": 128},
+                                        {"block_q": 2 * sub, "block_k": 256}]), "blocks")
+    q, k, v = random_qkv(rng, B, T, S, N, K, H)
+    _check(q, k, v, kw, dtype=dtype, **blocks)
+
+
+def test_one_token():
+    rng = np.random.default_rng(5)
+    q, k, v = random_qkv(rng, 1, 1, 1, 1, 1, 64)
+    got, _ = _check(q, k, v, {"is_causal": True})
+    np.testing.assert_allclose(got[0, 0, 0], v[0, 0, 0], atol=1e-6)   # softmax of one key
+
+
+def test_fully_masked_rows_are_zeros():
+    rng = np.random.default_rng(6)
+    B, T, S, N, H = 2, 24, 200, 2, 64
+    q, k, v = random_qkv(rng, B, T, S, N, N, H)
+    kw = {"key_value_seq_lengths": np.array([0, 150], np.int32),        # batch row 0: no keys
+          "query_seq_lengths": np.array([24, 10], np.int32),            # rows >= 10 in row 1
+          "local_window_size": (3, 0)}
+    got, ref = _check(q, k, v, kw, block_q=8, block_k=128)
+    assert (got[0] == 0).all() and (got[1, 10:] == 0).all() and (ref[0] == 0).all()
+    # lse is -inf exactly there and matches the oracle elsewhere.
+    qj, kj, vj, spec = validate(q, k, v, **kw)
+    out, lse = flash_attention_forward(qj, kj, vj, spec, interpret=True)
+    _, ref_lse = oracle_attention(q, k, v, **kw, return_lse=True)
+    lse = np.asarray(lse)
+    assert np.array_equal(np.isinf(lse), np.isinf(ref_lse))
+    fin = np.isfinite(ref_lse)
+    assert np.abs(lse[fin] - ref_lse[fin]).max() < 1e-5
+
+
+def test_jit_with_traced_lengths_and_masks():
+    rng = np.random.default_rng(7)
+    q, k, v = random_qkv(rng, 2, 30, 30, 2, 2, 64)
+    lens = np.array([30, 11], np.int32)
+    f = jax.jit(lambda q, k, v, lens: flash_attention(q, k, v, key_value_seq_lengths=lens,
+                                                      is_causal=True, interpret=True))
+    got = np.asarray(f(q, k, v, lens))
+    ref = oracle_attention(q, k, v, key_value_seq_lengths=lens, is_causal=True)
+    assert np.abs(got - ref).max() <= F32_TOL
+
+
+# ----------------------------------------------------------------------------- errors
+
+def test_grad_raises_a_clear_error():
+    rng = np.random.default_rng(8)
+    q, k, v = random_qkv(rng, 1, 16, 16, 1, 1, 64)
+    loss = lambda q: flash_attention(q, k, v, interpret=True).sum()  # noqa: E731
+    with pytest.raises(NotImplementedError, match="chapter 07"):
+        jax.grad(loss)(jnp.asarray(q))
+
+
+@pytest.mark.parametrize("kw, exc, match", [
+    ({"block_q": 12}, ValueError, "block_q: expected a multiple of 8"),
+    ({"block_k": 64}, ValueError, "block_k: expected a multiple of 128"),
+    ({"block_q": 0}, ValueError, "block_q"),
+    ({"block_q": 8.0}, TypeError, "block_q"),
+    ({"block_q": 4096, "block_k": 8192}, ValueError, "block_q, block_k:.*VMEM"),
+    ({"interpret": "yes"}, TypeError, "interpret"),
+])
+def test_bad_kernel_arguments(kw, exc, match):
+    q = jnp.zeros((1, 16, 1, 64), jnp.float32)
+    with pytest.raises(exc, match=match):
+        flash_attention(q, q, q, **kw)
+
+
+def test_bf16_and_mask_rules_name_the_argument():
+    q = jnp.zeros((1, 16, 1, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="block_q: expected a multiple of 16"):
+        flash_attention(q, q, q, block_q=8, interpret=True)
+    m = jnp.ones((1, 1, 16, 16), bool)
+    with pytest.raises(ValueError, match="block_q: expected a multiple of 32.*int8 mask"):
+        flash_attention(q, q, q, mask=m, block_q=16, interpret=True)
+
+
+def test_bad_inputs_use_the_shared_validation():
+    q = jnp.zeros((1, 16, 2, 64), jnp.float32)
+    with pytest.raises(ValueError, match="key: expected head_dim 64"):
+        flash_attention(q, jnp.zeros((1, 16, 2, 32)), q, interpret=True)
+    with pytest.raises(ValueError, match="key_value_seq_lengths"):
+        flash_attention(q, q, q, key_value_seq_lengths=np.array([1, 2]), interpret=True)
+    with pytest.raises(TypeError, match="query: the Pallas TPU kernel supports float32 and bfloat16"):
+        flash_attention(q.astype(jnp.float16), q.astype(jnp.float16), q.astype(jnp.float16))
+
+
+# ----------------------------------------------------------------------------- Mosaic lowering
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_lowers_to_mosaic_for_tpu(dtype):
+    """Cross-platform lowering runs Pallas' Mosaic lowering on this CPU (block-shape rules,
+    supported primitives); the final Mosaic compile only happens on a TPU."""
+    rng = np.random.default_rng(9)
+    B, T, S, N, K, H = 2, 40, 300, 4, 2, 80
+    q, k, v = (jnp.asarray(x, dtype) for x in random_qkv(rng, B, T, S, N, K, H))
+    kw = mask_kwargs("everything", rng, B, T, S, N)
+    kw["segment_ids"] = (np.zeros((B, T), np.int32), np.zeros((B, S), np.int32))
+    kw["query_seq_lengths"] = np.array([40, 7], np.int32)
+    f = jax.jit(lambda q, k, v: flash_attention(q, k, v, **kw, interpret=False))
+    text = f.trace(q, k, v).lower(lowering_platforms=("tpu",)).as_text()
+    assert "tpu_custom_call" in text
+
+
+# ----------------------------------------------------------------------------- TPU interpret mode
+
+@pytest.mark.parametrize("case", [
+    dict(B=1, T=40, S=40, N=2, K=1, H=64, dtype=np.float32, option="causal_window", bq=16, bk=128),
+    dict(B=2, T=20, S=260, N=2, K=2, H=80, dtype=np.float32, option="everything", bq=32, bk=128),
+    dict(B=1, T=48, S=48, N=2, K=2, H=128, dtype=jnp.bfloat16, option="segments", bq=16, bk=128),
+])
+def test_tpu_interpret_mode_no_races_no_uninitialized_reads(case):
+    rng = np.random.default_rng(10)
+    q, k, v = random_qkv(rng, case["B"], case["T"], case["S"], case["N"], case["K"], case["H"])
+    kw = mask_kwargs(case["option"], rng, case["B"], case["T"], case["S"], case["N"])
+    params = device.tpu_interpret_params()       # detect_races=True, uninitialized -> NaN
+    got, _ = _check(q, k, v, kw, dtype=case["dtype"], interpret=params,
+                    block_q=case["bq"], block_k=case["bk"])
+    assert compat.races_found() is False
