@@ -65,15 +65,25 @@ class count_compiles:
         return False
 
 
-def _live() -> dict[int, jax.Array]:
+def _key(a) -> str:
+    return f"{a.dtype}{list(a.shape)}".replace(" ", "")
+
+
+def _live() -> tuple[collections.Counter, dict]:
+    """Live device arrays as a multiset of ``dtype[shape]`` keys, and bytes per key."""
     gc.collect()
-    return {id(a): a for a in jax.live_arrays()}
+    counts, nbytes = collections.Counter(), {}
+    for a in jax.live_arrays():
+        k = _key(a)
+        counts[k] += 1
+        nbytes[k] = a.size * a.dtype.itemsize
+    return counts, nbytes
 
 
 def live_arrays_summary(arrays=None) -> dict[str, int]:
     """``{"float32[128,64]": count, ...}`` of the live device arrays (or of ``arrays``)."""
     arrays = jax.live_arrays() if arrays is None else arrays
-    c = collections.Counter(f"{a.dtype}{list(a.shape)}".replace(" ", "") for a in arrays)
+    c = collections.Counter(_key(a) for a in arrays)
     return dict(sorted(c.items()))
 
 
@@ -110,24 +120,24 @@ def measure_growth(fn: Callable, *args, repeats: int = 5, warmup: int = 1, **kwa
     """Call ``fn(*args, **kwargs)`` ``warmup`` times, then ``repeats`` times, and report growth.
 
     Warm-up calls may compile and fill caches; only what the later calls add counts. Each
-    call's result is waited for and dropped, so a correct function returns to the same set
-    of live arrays.
+    call's result is waited for and dropped, so a correct function returns to the same
+    multiset of live arrays (counted by dtype and shape).
     """
     if repeats < 1:
         raise ValueError(f"repeats: expected a positive int, got {repeats!r}")
     for _ in range(warmup):
         _release(fn(*args, **kwargs))
-    before = _live()
+    before, _ = _live()
     start = compile_count()
     for _ in range(repeats):
         _release(fn(*args, **kwargs))
     compiles = compile_count() - start
-    after = _live()
-    new = [a for i, a in after.items() if i not in before]
-    nbytes = sum(a.size * a.dtype.itemsize for a in new)
-    report = GrowthReport(repeats, live_arrays_summary(new), int(nbytes), compiles)
-    del before, after, new
-    return report
+    after, nbytes = _live()
+    # Compared as multisets of dtype[shape]: a buffer that is replaced on every call (an
+    # interpreter's state, a donated buffer) is not growth; one more of it per call is.
+    grown = after - before
+    new_bytes = sum(n * nbytes[k] for k, n in grown.items())
+    return GrowthReport(repeats, dict(sorted(grown.items())), int(new_bytes), compiles)
 
 
 def assert_no_growth(fn: Callable, *args, repeats: int = 5, warmup: int = 1,
