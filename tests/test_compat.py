@@ -5,9 +5,6 @@ and one with the newest that installs (``-m compat``), so they must stay small a
 the compat module itself, the audit that nothing else imports Pallas, the reference, the
 online softmax and the kernel forward on a few shapes (interpret mode and Mosaic lowering).
 """
-import ast
-import pathlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,8 +17,6 @@ from flashlab.reference import naive_attention, oracle_attention
 from conftest import random_qkv
 
 pytestmark = pytest.mark.compat
-
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def test_compat_module_resolves_every_name():
@@ -45,26 +40,17 @@ def test_official_kernel_modules_load_through_compat():
     assert hasattr(sa, "make_splash_mha") and hasattr(sa, "CausalMask")
 
 
-def _pallas_imports(path: pathlib.Path) -> list[str]:
-    tree = ast.parse(path.read_text())
-    found = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module and "pallas" in node.module:
-            found.append(node.module)
-        elif isinstance(node, ast.Import):
-            found += [a.name for a in node.names if "pallas" in a.name]
-    return found
-
-
 def test_no_module_but_the_compat_module_imports_pallas():
-    offenders = {}
-    for path in sorted((ROOT / "flashlab").rglob("*.py")):
-        if path.name == "_pallas_compat.py":
-            continue
-        mods = [m for m in _pallas_imports(path) if m.startswith("jax")]
-        if mods:
-            offenders[str(path.relative_to(ROOT))] = mods
+    offenders = compat.direct_pallas_imports()
     assert not offenders, f"import Pallas via flashlab.kernels._pallas_compat: {offenders}"
+
+
+def test_the_audit_finds_a_direct_import(tmp_path):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "ok.py").write_text("import jax\n")
+    (pkg / "bad.py").write_text("from jax.experimental.pallas import tpu as pltpu\n")
+    assert compat.direct_pallas_imports(pkg) == {"pkg/bad.py": ["jax.experimental.pallas"]}
 
 
 def test_reference_matches_oracle():

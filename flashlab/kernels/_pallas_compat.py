@@ -24,7 +24,7 @@ __all__ = ["pl", "pltpu", "BlockSpec", "CompilerParams", "InterpretParams",
            "get_tpu_info", "get_tpu_info_for_chip", "force_tpu_interpret_mode",
            "reset_tpu_interpret_mode_state", "races_found", "is_interpret_params",
            "OFFICIAL_FLASH_MODULE", "OFFICIAL_SPLASH_MODULE", "official_flash_attention",
-           "official_splash_attention", "versions"]
+           "official_splash_attention", "versions", "direct_pallas_imports"]
 
 BlockSpec = pl.BlockSpec
 CostEstimate = pl.CostEstimate
@@ -109,3 +109,28 @@ def versions() -> dict:
             "CompilerParams": f"pltpu.{CompilerParams.__name__}",
             "InterpretParams": f"pltpu.{InterpretParams.__name__}",
             "get_tpu_info_for_chip": get_tpu_info_for_chip is not None}
+
+
+def direct_pallas_imports(package_dir=None) -> dict[str, list[str]]:
+    """Modules of flashlab (other than this one) that import ``jax...pallas`` themselves.
+
+    ``{relative path: [imported module, ...]}``; empty when every Pallas import goes through
+    this module (tests/test_compat.py asserts that).
+    """
+    import ast
+    import pathlib
+    root = pathlib.Path(package_dir or pathlib.Path(__file__).resolve().parent.parent)
+    found = {}
+    for path in sorted(root.rglob("*.py")):
+        if path.resolve() == pathlib.Path(__file__).resolve():
+            continue
+        mods = []
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                mods.append(node.module)
+            elif isinstance(node, ast.Import):
+                mods += [a.name for a in node.names]
+        mods = [m for m in mods if m.startswith("jax") and "pallas" in m]
+        if mods:
+            found[str(path.relative_to(root.parent))] = mods
+    return found

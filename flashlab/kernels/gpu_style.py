@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from .. import online_softmax
 from ._pallas_compat import pl
 
-__all__ = ["gpu_style_attention", "gpu_style_attention_relaid", "GPU_BLOCK"]
+__all__ = ["gpu_style_attention", "gpu_style_attention_relaid", "tpu_lowering_error", "gpu_style_vmem_bytes", "GPU_BLOCK"]
 
 GPU_BLOCK = 64    # a typical Triton tile: 64 rows x 64 keys, 4 warps
 
@@ -113,3 +113,36 @@ def gpu_style_attention_relaid(query, key, value, *, block_q: int = GPU_BLOCK,
                          grid=(B, N, T // block_q), in_specs=[q_spec, kv_spec, kv_spec],
                          out_specs=q_spec, interpret=interpret)(q, k, v)
     return jnp.swapaxes(out, 1, 2)
+
+
+def tpu_lowering_error(fn, *args, **kwargs) -> str | None:
+    """Lower ``fn(*args, interpret=False)`` for TPU (Mosaic; works on a CPU) and return the
+    error message, or ``None`` if it lowers. File paths in the message are cut to the file
+    name, so the text is the same on every machine."""
+    import re
+    try:
+        jax.jit(lambda *a: fn(*a, interpret=False, **kwargs)).trace(*args).lower(
+            lowering_platforms=("tpu",))
+    except Exception as e:  # noqa: BLE001 -- we want whatever Pallas raises
+        msg = str(e).strip()
+        return re.sub(r"(/[^\s:]+/)([\w.]+\.py):\d+", r"\2", msg)
+    return None
+
+
+def gpu_style_vmem_bytes(kv_len: int, head_dim: int, dtype, *, block_q: int = GPU_BLOCK,
+                         buffers: int = 2) -> int:
+    """VMEM the relaid GPU-style kernel needs on a TPU: it grows with the sequence length.
+
+    A GPU program walks K/V through global-memory pointers and stages one 64x64 tile at a
+    time in shared memory; the literal Pallas port hands the program the whole K/V row of
+    its head as a block instead, so VMEM holds ``2 * kv_len * d`` (double-buffered), plus the
+    Q/O blocks and the fp32 state. Lanes are padded to 128 as on the chip.
+    """
+    from .blocks import lane_pad, round_up
+    e = jnp.dtype(dtype).itemsize
+    d = lane_pad(head_dim)
+    kv = 2 * round_up(kv_len, 8) * d * e
+    qo = 2 * block_q * d * e
+    state = (2 * block_q * 128 + block_q * d) * 4
+    temps = 2 * block_q * round_up(GPU_BLOCK, 128) * 4
+    return buffers * (kv + qo) + state + temps
