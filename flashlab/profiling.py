@@ -107,14 +107,16 @@ def trace_summary(fn: Callable, *args, depth: int = 1, **kwargs) -> dict[str, in
 
     Each op's ``op_name`` metadata (what a profiler trace labels it with) is
     ``jit(fn)/scope/.../primitive``; ops are grouped by their first ``depth`` scopes, and ops
-    outside every scope by their primitive name. Sorted by count, then name.
+    outside every scope by their primitive name (``"<no scope> dot_general"``). Sorted by
+    count, then name.
     """
     text = jax.jit(fn).lower(*args, **kwargs).compile().as_text()
     counts = collections.Counter()
     for name in _OP_NAME_RE.findall(text):
         parts = name.split("/")
-        if parts and parts[0].startswith(("jit(", "pjit(")):
-            parts = parts[1:]
+        if not parts[0].startswith(("jit(", "pjit(")) or len(parts) < 2:
+            continue                      # parameter names, not ops of the traced function
+        parts = parts[1:]
         # einsum specs and other transform names look like scopes; keep named scopes only.
         scopes = [p for p in parts[:-1] if re.fullmatch(r"[A-Za-z_][\w.\-]*", p)]
         key = "/".join(scopes[:depth]) if scopes else f"<no scope> {parts[-1] if parts else name}"

@@ -124,7 +124,7 @@ def tpu_lowering_error(fn, *args, **kwargs) -> str | None:
         jax.jit(lambda *a: fn(*a, interpret=False, **kwargs)).trace(*args).lower(
             lowering_platforms=("tpu",))
     except Exception as e:  # noqa: BLE001 -- we want whatever Pallas raises
-        msg = str(e).strip()
+        msg = re.sub(r"\x1b\[[0-9;]*m", "", str(e).strip())        # jaxpr colours
         return re.sub(r"(/[^\s:]+/)([\w.]+\.py):\d+", r"\2", msg)
     return None
 
