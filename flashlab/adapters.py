@@ -133,9 +133,9 @@ def _tpu_interpret_params(interpret):
     """``None`` for compiled; the InterpretParams to force TPU interpret mode with otherwise."""
     if interpret is None or interpret is False:
         return None
-    from jax.experimental.pallas import tpu as pltpu
+    from .kernels import _pallas_compat as compat
     if interpret is True:
-        return pltpu.InterpretParams()
+        return compat.InterpretParams()
     return interpret
 
 
@@ -147,20 +147,20 @@ def _under_tpu_interpret(fn, params):
     """
     if params is None:
         return fn
-    from jax.experimental.pallas import tpu as pltpu
+    from .kernels._pallas_compat import force_tpu_interpret_mode
 
     @jax.custom_vjp
     def wrapped(*args):
-        with pltpu.force_tpu_interpret_mode(params):
+        with force_tpu_interpret_mode(params):
             return fn(*args)
 
     def fwd(*args):
-        with pltpu.force_tpu_interpret_mode(params):
+        with force_tpu_interpret_mode(params):
             out, vjp = jax.vjp(fn, *args)
         return out, vjp
 
     def bwd(vjp, g):
-        with pltpu.force_tpu_interpret_mode(params):
+        with force_tpu_interpret_mode(params):
             return vjp(g)
 
     wrapped.defvjp(fwd, bwd)
@@ -207,7 +207,8 @@ def jax_pallas_flash_fn(query, key, value, spec, *, interpret=None):
     ``bias / scale``. The dense mask joins ``ab`` as a large negative value. Sequences are
     padded to multiples of 128 (its block size); lengths and padding become segment ids.
     """
-    from jax.experimental.pallas.ops.tpu import flash_attention as fa
+    from .kernels._pallas_compat import official_flash_attention
+    fa = official_flash_attention()
     B, T, N, D = query.shape
     S = key.shape[1]
     blk = OFFICIAL_BLOCK
@@ -243,7 +244,8 @@ def _python_map(f, *xs):
 
 
 def _splash_mask(spec: AttentionSpec, Tp: int, Sp: int, heads: int):
-    from jax.experimental.pallas.ops.tpu import splash_attention as sa
+    from .kernels._pallas_compat import official_splash_attention
+    sa = official_splash_attention()
     shape = (Tp, Sp)
     w = spec.window
     if w is not None and spec.is_causal:
@@ -266,7 +268,8 @@ def splash_fn(query, key, value, spec, *, interpret=None):
     repeated. Causal/window masks are splash's own lazy masks; lengths, segments and padding to
     a multiple of 128 become segment ids.
     """
-    from jax.experimental.pallas.ops.tpu import splash_attention as sa
+    from .kernels._pallas_compat import official_splash_attention
+    sa = official_splash_attention()
     B, T, N, D = query.shape
     S, K = key.shape[1], key.shape[2]
     G = N // K

@@ -36,8 +36,8 @@ def interpret_mode(interpret=None):
 
 def tpu_interpret_params(*, detect_races: bool = True, uninitialized_memory: str = "nan", **kw):
     """TPU interpret mode with the race detector on and NaN-poisoned uninitialized memory."""
-    from jax.experimental.pallas import tpu as pltpu
-    return pltpu.InterpretParams(detect_races=detect_races,
+    from .kernels._pallas_compat import InterpretParams
+    return InterpretParams(detect_races=detect_races,
                                  uninitialized_memory=uninitialized_memory, **kw)
 
 

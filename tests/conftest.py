@@ -13,9 +13,4 @@ def rng():
     return np.random.default_rng(0)
 
 
-def random_qkv(rng, B, T, S, N, K, H, dtype=np.float32, Hv=None):
-    """Unit-normal q [B,T,N,H], k [B,S,K,H], v [B,S,K,Hv]."""
-    q = rng.standard_normal((B, T, N, H)).astype(dtype)
-    k = rng.standard_normal((B, S, K, H)).astype(dtype)
-    v = rng.standard_normal((B, S, K, Hv or H)).astype(dtype)
-    return q, k, v
+from flashlab.conformance import random_qkv  # noqa: E402,F401  (one definition, re-exported)

@@ -3,11 +3,18 @@
 Pallas is young and its names move between JAX releases (``TPUCompilerParams`` became
 ``CompilerParams``, ``TPUInterpretParams`` became ``InterpretParams``, the race detector moved
 modules, ``get_tpu_info_for_chip`` appeared). The kernels import from here only, so a JAX
-upgrade touches this file and nothing else. Supported range: the one in ``pyproject.toml``.
+upgrade touches this file and nothing else. Supported range: the one in ``pyproject.toml``,
+tested at both ends by ``python3 .ci/dev.py test`` (the ``compat`` tests in tests/test_compat.py
+run in a venv with the oldest supported JAX and in one with the newest that installs).
+
+The official kernels (``jax.experimental.pallas.ops.tpu``) are loaded through
+:func:`official_flash_attention` and :func:`official_splash_attention` too, so that
+tests/test_compat.py can check that no other flashlab module imports Pallas directly.
 """
 from __future__ import annotations
 
 import contextlib
+import importlib
 
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
@@ -15,7 +22,9 @@ from jax.experimental.pallas import tpu as pltpu
 __all__ = ["pl", "pltpu", "BlockSpec", "CompilerParams", "InterpretParams",
            "PrefetchScalarGridSpec", "CostEstimate", "VMEM", "SMEM", "ChipVersion",
            "get_tpu_info", "get_tpu_info_for_chip", "force_tpu_interpret_mode",
-           "reset_tpu_interpret_mode_state", "races_found", "is_interpret_params"]
+           "reset_tpu_interpret_mode_state", "races_found", "is_interpret_params",
+           "OFFICIAL_FLASH_MODULE", "OFFICIAL_SPLASH_MODULE", "official_flash_attention",
+           "official_splash_attention", "versions", "direct_pallas_imports"]
 
 BlockSpec = pl.BlockSpec
 CostEstimate = pl.CostEstimate
@@ -74,3 +83,54 @@ def races_found() -> bool | None:
 def is_interpret_params(x) -> bool:
     """True for a ``pltpu.InterpretParams`` (TPU interpret mode) object."""
     return isinstance(x, InterpretParams)
+
+
+# ----------------------------------------------------------------------------- official kernels
+
+OFFICIAL_FLASH_MODULE = "jax.experimental.pallas.ops.tpu.flash_attention"
+OFFICIAL_SPLASH_MODULE = "jax.experimental.pallas.ops.tpu.splash_attention"
+
+
+def official_flash_attention():
+    """The official Pallas TPU flash-attention module (``flash_attention``, ``BlockSizes``...)."""
+    return importlib.import_module(OFFICIAL_FLASH_MODULE)
+
+
+def official_splash_attention():
+    """The official splash-attention module (``make_splash_mha``, ``CausalMask``...)."""
+    return importlib.import_module(OFFICIAL_SPLASH_MODULE)
+
+
+def versions() -> dict:
+    """The installed ``jax``/``jaxlib`` versions and which moved names this module resolved."""
+    import jax
+    import jaxlib
+    return {"jax": jax.__version__, "jaxlib": jaxlib.__version__,
+            "CompilerParams": f"pltpu.{CompilerParams.__name__}",
+            "InterpretParams": f"pltpu.{InterpretParams.__name__}",
+            "get_tpu_info_for_chip": get_tpu_info_for_chip is not None}
+
+
+def direct_pallas_imports(package_dir=None) -> dict[str, list[str]]:
+    """Modules of flashlab (other than this one) that import ``jax...pallas`` themselves.
+
+    ``{relative path: [imported module, ...]}``; empty when every Pallas import goes through
+    this module (tests/test_compat.py asserts that).
+    """
+    import ast
+    import pathlib
+    root = pathlib.Path(package_dir or pathlib.Path(__file__).resolve().parent.parent)
+    found = {}
+    for path in sorted(root.rglob("*.py")):
+        if path.resolve() == pathlib.Path(__file__).resolve():
+            continue
+        mods = []
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                mods.append(node.module)
+            elif isinstance(node, ast.Import):
+                mods += [a.name for a in node.names]
+        mods = [m for m in mods if m.startswith("jax") and "pallas" in m]
+        if mods:
+            found[str(path.relative_to(root.parent))] = mods
+    return found
