@@ -8,6 +8,7 @@ from . import device, masks, online_softmax, reference
 from . import adapters, api, registry
 from . import comm_model, distributed, ring_layout
 from . import kernels, roofline, tiled, traffic
+from . import conformance, leaks, profiling
 from .api import as_flax_attention_fn, attention, explain
 from .distributed import ring_attention, sharded_attention
 from .kernels import flash_attention
@@ -27,5 +28,5 @@ __all__ = [
     "AttentionSpec", "validate",
     # modules
     "device", "masks", "online_softmax", "reference", "registry", "api", "adapters",
-    "distributed", "ring_layout", "comm_model", "kernels", "traffic", "roofline", "tiled",
+    "distributed", "ring_layout", "comm_model", "kernels", "traffic", "roofline", "tiled", "conformance", "leaks", "profiling",
 ]

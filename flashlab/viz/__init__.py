@@ -1,5 +1,7 @@
 """Figures of the book: one function per figure, each returns a matplotlib Figure."""
+from .backward import backward_tile_map_figure, backward_traffic_figure, loss_curves_figure
 from .bench import bench_figure
+from .hard import vmem_vs_seq_len
 from .online_softmax import online_softmax_figure
 from .tiled import traffic_figure
 from .naive import naive_scaling_figure, score_matrix_figure
@@ -12,4 +14,5 @@ __all__ = ["naive_scaling_figure", "score_matrix_figure", "bench_figure", "ring_
            "load_balance_figure", "comm_model_figure", "pipeline_residency_figure",
            "block_skipping_figure", "traffic_vs_seq_len_figure", "traffic_vs_block_size_figure",
            "roofline_figure", "tile_schedule_figure", "explorer_figure",
-           "online_softmax_figure", "traffic_figure"]
+           "online_softmax_figure", "traffic_figure", "backward_traffic_figure",
+           "backward_tile_map_figure", "loss_curves_figure", "vmem_vs_seq_len"]
