@@ -80,3 +80,12 @@ def test_readme_code_blocks_run(i, tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
                           timeout=600, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stderr
+
+
+def test_readme_states_the_supported_jax_range():
+    """The range in pyproject.toml is the one the README promises (and dev.py tests both ends)."""
+    import tomllib
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    (jax_dep,) = [d for d in deps if d.startswith("jax")]
+    rng = jax_dep.removeprefix("jax").replace(" ", "")
+    assert f"`{rng}`" in (ROOT / "README.md").read_text(), f"README must state JAX {rng}"
