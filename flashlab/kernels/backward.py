@@ -102,22 +102,8 @@ def _q_side_operands(cfg, q_map, kv_map, scores_map_for, qseg_map, kvseg_map):
     shapes = [sds((B, N, Tp, Dp), cfg.dtype), sds((B, cfg.num_kv_heads, Sp, Dp), cfg.dtype),
               sds((B, cfg.num_kv_heads, Sp, Dvp), cfg.dtype), sds((B, N, Tp, Dvp), cfg.dtype),
               sds((B, N, Tp, blk.LANES), jnp.float32)]
-    if cfg.bias_bcast is not None:
-        names.append("bias")
-        specs.append(pl.BlockSpec((None, None, bq, bk), scores_map_for(cfg.bias_bcast)))
-        shapes.append(sds((1 if cfg.bias_bcast[0] else B, 1 if cfg.bias_bcast[1] else N, Tp, Sp),
-                          cfg.bias_dtype))
-    if cfg.mask_bcast is not None:
-        names.append("mask")
-        specs.append(pl.BlockSpec((None, None, bq, bk), scores_map_for(cfg.mask_bcast)))
-        shapes.append(sds((1 if cfg.mask_bcast[0] else B, 1 if cfg.mask_bcast[1] else N, Tp, Sp),
-                          jnp.int8))
-    if cfg.has_segments:
-        names += ["q_segment_ids", "kv_segment_ids"]
-        specs += [pl.BlockSpec((None, bq, blk.LANES), qseg_map),
-                  pl.BlockSpec((None, blk.SUBLANES, bk), kvseg_map)]
-        shapes += [sds((B, Tp, blk.LANES), jnp.int32), sds((B, blk.SUBLANES, Sp), jnp.int32)]
-    return names, specs, shapes
+    n2, s2, sh2 = fwd.mask_operands(cfg, scores_map_for, qseg_map, kvseg_map)
+    return names + n2, specs + s2, shapes + sh2
 
 
 def _q_range(cfg, b, j, q_lengths, kv_lengths):

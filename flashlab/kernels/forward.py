@@ -183,6 +183,32 @@ def _kv_range(cfg: ForwardConfig, b, i, q_lengths, kv_lengths):
                               is_causal=cfg.is_causal, window=cfg.window)
 
 
+def mask_operands(cfg, scores_map_for, q_seg_map, kv_seg_map):
+    """The optional inputs blocked like the scores: bias, mask, segment ids.
+
+    Shared by the forward and both backward kernels, which differ only in their index maps.
+    Returns ``(names, BlockSpecs, padded HBM shapes)``.
+    """
+    B, N, bq, bk = cfg.batch, cfg.num_heads, cfg.block_q, cfg.block_k
+    Tp, Sp = cfg.q_len_p, cfg.kv_len_p
+    sds = jax.ShapeDtypeStruct
+    names, specs, shapes = [], [], []
+    for name, bcast, dtype in (("bias", cfg.bias_bcast, cfg.bias_dtype),
+                               ("mask", cfg.mask_bcast, jnp.int8)):
+        if bcast is not None:
+            names.append(name)
+            specs.append(pl.BlockSpec((None, None, bq, bk), scores_map_for(bcast)))
+            shapes.append(sds((1 if bcast[0] else B, 1 if bcast[1] else N, Tp, Sp), dtype))
+    if cfg.has_segments:
+        # Segment ids lane-/sublane-replicated so their blocks obey the (8, 128) rule:
+        # q ids [B, T, 128] (block [B_r, 128]), kv ids [B, 8, S] (block [8, B_c]).
+        names += ["q_segment_ids", "kv_segment_ids"]
+        specs += [pl.BlockSpec((None, bq, blk.LANES), q_seg_map),
+                  pl.BlockSpec((None, blk.SUBLANES, bk), kv_seg_map)]
+        shapes += [sds((B, Tp, blk.LANES), jnp.int32), sds((B, blk.SUBLANES, Sp), jnp.int32)]
+    return names, specs, shapes
+
+
 def forward_grid_spec(cfg: ForwardConfig) -> ForwardGridSpec:
     """Build the grid, BlockSpecs (with their index maps) and scratch of the forward kernel."""
     B, N, G = cfg.batch, cfg.num_heads, cfg.group_size
@@ -218,23 +244,8 @@ def forward_grid_spec(cfg: ForwardConfig) -> ForwardGridSpec:
              pl.BlockSpec((None, None, bk, Dvp), kv_index_map)]
     shapes = [sds((B, N, Tp, Dp), cfg.dtype), sds((B, cfg.num_kv_heads, Sp, Dp), cfg.dtype),
               sds((B, cfg.num_kv_heads, Sp, Dvp), cfg.dtype)]
-    if cfg.bias_bcast is not None:
-        names.append("bias")
-        specs.append(pl.BlockSpec((None, None, bq, bk), scores_index_map_for(cfg.bias_bcast)))
-        shapes.append(sds((1 if cfg.bias_bcast[0] else B, 1 if cfg.bias_bcast[1] else N, Tp, Sp),
-                          cfg.bias_dtype))
-    if cfg.mask_bcast is not None:
-        names.append("mask")
-        specs.append(pl.BlockSpec((None, None, bq, bk), scores_index_map_for(cfg.mask_bcast)))
-        shapes.append(sds((1 if cfg.mask_bcast[0] else B, 1 if cfg.mask_bcast[1] else N, Tp, Sp),
-                          jnp.int8))
-    if cfg.has_segments:
-        # Segment ids lane-/sublane-replicated so their blocks obey the (8, 128) rule:
-        # q ids [B, T, 128] (block [B_r, 128]), kv ids [B, 8, S] (block [8, B_c]).
-        names += ["q_segment_ids", "kv_segment_ids"]
-        specs += [pl.BlockSpec((None, bq, blk.LANES), q_seg_index_map),
-                  pl.BlockSpec((None, blk.SUBLANES, bk), kv_seg_index_map)]
-        shapes += [sds((B, Tp, blk.LANES), jnp.int32), sds((B, blk.SUBLANES, Sp), jnp.int32)]
+    n2, s2, sh2 = mask_operands(cfg, scores_index_map_for, q_seg_index_map, kv_seg_index_map)
+    names, specs, shapes = names + n2, specs + s2, shapes + sh2
     out_names = ["o"]
     out_specs = [pl.BlockSpec((None, None, bq, Dvp), q_index_map)]
     out_shapes = [sds((B, N, Tp, Dvp), cfg.dtype)]
