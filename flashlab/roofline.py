@@ -93,11 +93,10 @@ CHIP_NAMES = ("v4", "v5e", "v5p", "v6e", "7x", "A100", "H100")
 
 def _from_jax(name: str) -> dict[str, Any] | None:
     """Per-chip figures from ``pltpu.get_tpu_info_for_chip`` (None if this JAX lacks them)."""
+    from .kernels import _pallas_compat as compat     # every Pallas API through one module
     try:
-        from jax.experimental.pallas import tpu as pltpu
-        from jax._src.pallas.mosaic.tpu_info import ChipVersion
-        info = pltpu.get_tpu_info_for_chip(ChipVersion(name), 1)
-    except Exception:  # older JAX: no table, or no such chip
+        info = compat.get_tpu_info_for_chip(compat.ChipVersion(name), 1)
+    except Exception:  # older JAX: no table (None is not callable), or no such chip
         return None
     cores = _PUBLIC[name]["cores"]          # the table is per TensorCore
     return dict(hbm_bytes_per_s=float(info.mem_bw_bytes_per_second) * cores,
