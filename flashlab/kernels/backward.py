@@ -35,7 +35,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import masks
 from ..masks import AttentionSpec
 from . import _pallas_compat as compat
 from . import blocks as blk
@@ -115,7 +114,7 @@ def _q_range(cfg, b, j, q_lengths, kv_lengths):
 def dkdv_grid_spec(cfg: ForwardConfig) -> BackwardGridSpec:
     """The dK/dV kernel: grid ``(b, hk, j, g, i)``; query head ``h = hk·G + g``."""
     G = cfg.group_size
-    bq, bk = cfg.block_q, cfg.block_k
+    bk = cfg.block_k
     Sp, Dp, Dvp = cfg.kv_len_p, cfg.head_dim_p, cfg.head_dim_v_p
 
     def q_block(b, j, i, q_lengths, kv_lengths):
@@ -222,28 +221,9 @@ def _recompute(ins, cfg: ForwardConfig, q_start, k_start, q_len, kv_len):
     ``dS = P ∘ (dP − D)`` is the gradient w.r.t. the logits after the soft cap and bias (so
     it is dBias); ``dS'`` is w.r.t. ``scale·q·k`` (through the soft cap's ``1 − tanh²``).
     """
-    bq, bk = cfg.block_q, cfg.block_k
     q, k, v, do = ins["q"][...], ins["k"][...], ins["v"][...], ins["do"][...]
     nt = (((1,), (1,)), ((), ()))                                 # A Bᵀ
-    s = jax.lax.dot_general(q, k, nt, preferred_element_type=jnp.float32) * cfg.scale
-    t = None
-    if cfg.soft_cap is not None:
-        t = jnp.tanh(s / cfg.soft_cap)
-        s = cfg.soft_cap * t
-    if "bias" in ins:
-        s = s + ins["bias"][...].astype(jnp.float32)
-    q_pos = q_start + jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
-    k_pos = k_start + jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
-    q_seg = kv_seg = None
-    if cfg.has_segments:
-        q_seg = jnp.tile(ins["q_segment_ids"][...], (1, bk // blk.LANES))   # [B_r, B_c]
-        kv_seg = ins["kv_segment_ids"][...][:1, :]                          # [1, B_c]
-    visible = masks.structural_visible(
-        q_pos, k_pos, is_causal=cfg.is_causal, window=cfg.window,
-        q_len=q_len if cfg.mask_q_len else None,
-        kv_len=kv_len if cfg.mask_kv_len else None, q_seg=q_seg, kv_seg=kv_seg)
-    if "mask" in ins:
-        visible = jnp.logical_and(visible, ins["mask"][...] != 0)
+    s, t, visible = fwd.score_tile(ins, cfg, q_start, k_start, q_len, kv_len)  # [B_r, B_c]
     stats = ins["stats"][...]                                     # [B_r, 128]
     lse, di = stats[:, :1], stats[:, STATS_D_LANE:STATS_D_LANE + 1]  # [B_r, 1] each
     lse = jnp.where(lse == -jnp.inf, 0.0, lse)                    # rows with no key: P = 0

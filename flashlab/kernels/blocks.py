@@ -177,6 +177,12 @@ def choose_block_sizes(q_len: int, kv_len: int, head_dim: int, dtype, chip: str 
                           has_mask=has_mask, has_segments=has_segments,
                           return_lse=return_lse) <= budget
 
+    return _shrink_to_fit(fits, bq, bk, rule)
+
+
+def _shrink_to_fit(fits, bq, bk, rule):
+    """Halve ``block_k`` (down to 256, or to 128 once ``block_q`` is small), then ``block_q``,
+    keeping the tiling rule, until ``fits(bq, bk)``: the one shrink order of every kernel."""
     while not fits(bq, bk):
         if bk > 256 or (bk > LANES and bq <= 128):
             bk = max(LANES, round_up(bk // 2, LANES))
@@ -354,14 +360,8 @@ def choose_backward_block_sizes(q_len: int, kv_len: int, head_dim: int, dtype,
               has_segments=has_segments)
     bq = min(512, round_up(q_len, rule))
     bk = min(512, round_up(kv_len, LANES))
-    while not _backward_fits(bq, bk, head_dim, dtype, chip, **kw):
-        if bk > 256 or (bk > LANES and bq <= 128):
-            bk = max(LANES, round_up(bk // 2, LANES))
-        elif bq > rule:
-            bq = max(rule, round_up(bq // 2, rule))
-        else:  # pragma: no cover - the smallest blocks fit every chip
-            break
-    return int(bq), int(bk)
+    return _shrink_to_fit(lambda bq, bk: _backward_fits(bq, bk, head_dim, dtype, chip, **kw),
+                          bq, bk, rule)
 
 
 __all__ += ["q_block_range", "backward_vmem_bytes", "choose_backward_block_sizes"]

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +30,7 @@ from .. import device, masks, online_softmax
 from ..masks import AttentionSpec
 from . import _pallas_compat as compat
 from . import blocks as blk
-from ._pallas_compat import pl, pltpu
+from ._pallas_compat import pl
 
 __all__ = ["ForwardConfig", "ForwardGridSpec", "make_config", "forward_grid_spec",
            "flash_attention", "flash_attention_from_spec", "flash_attention_forward",
@@ -264,6 +264,38 @@ def forward_grid_spec(cfg: ForwardConfig) -> ForwardGridSpec:
 
 # ----------------------------------------------------------------------------- the kernel
 
+def score_tile(ins, cfg: ForwardConfig, q_start, k_start, q_len, kv_len):
+    """One ``[B_r, B_c]`` tile of logits and its visibility, from the operand refs ``ins``.
+
+    ``s = cap·tanh(scale·Q_i K_jᵀ / cap) + bias`` in float32, and the one mask definition
+    (:func:`masks.structural_visible` on iota positions, and the dense mask). Shared by the
+    forward and both backward kernels; also returns ``tanh(·)`` (``None`` without a soft cap)
+    for the soft cap's gradient.
+    """
+    bq, bk = cfg.block_q, cfg.block_k
+    s = jax.lax.dot_general(ins["q"][...], ins["k"][...], (((1,), (1,)), ((), ())),  # Q Kᵀ
+                            preferred_element_type=jnp.float32) * cfg.scale
+    t = None
+    if cfg.soft_cap is not None:
+        t = jnp.tanh(s / cfg.soft_cap)
+        s = cfg.soft_cap * t
+    if "bias" in ins:
+        s = s + ins["bias"][...].astype(jnp.float32)
+    q_pos = q_start + jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
+    k_pos = k_start + jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
+    q_seg = kv_seg = None
+    if cfg.has_segments:
+        q_seg = jnp.tile(ins["q_segment_ids"][...], (1, bk // blk.LANES))   # [B_r, B_c]
+        kv_seg = ins["kv_segment_ids"][...][:1, :]                          # [1, B_c]
+    visible = masks.structural_visible(
+        q_pos, k_pos, is_causal=cfg.is_causal, window=cfg.window,
+        q_len=q_len if cfg.mask_q_len else None,
+        kv_len=kv_len if cfg.mask_kv_len else None, q_seg=q_seg, kv_seg=kv_seg)
+    if "mask" in ins:
+        visible = jnp.logical_and(visible, ins["mask"][...] != 0)
+    return s, t, visible
+
+
 def _forward_kernel(q_lengths_ref, kv_lengths_ref, *refs, cfg: ForwardConfig, names):
     """One grid step ``(b, h, i, j)``: fold S_ij into (m, l, acc); finalize at the last j."""
     n_in = len(names)
@@ -288,26 +320,7 @@ def _forward_kernel(q_lengths_ref, kv_lengths_ref, *refs, cfg: ForwardConfig, na
 
     @pl.when(run)
     def _compute():
-        q = ins["q"][...]                                         # [B_r, d]
-        k = ins["k"][...]                                         # [B_c, d]
-        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                                preferred_element_type=jnp.float32) * cfg.scale  # [B_r, B_c]
-        if cfg.soft_cap is not None:
-            s = cfg.soft_cap * jnp.tanh(s / cfg.soft_cap)
-        if "bias" in ins:
-            s = s + ins["bias"][...].astype(jnp.float32)
-        q_pos = q_start + jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
-        k_pos = k_start + jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
-        q_seg = kv_seg = None
-        if cfg.has_segments:
-            q_seg = jnp.tile(ins["q_segment_ids"][...], (1, bk // blk.LANES))   # [B_r, B_c]
-            kv_seg = ins["kv_segment_ids"][...][:1, :]                          # [1, B_c]
-        visible = masks.structural_visible(
-            q_pos, k_pos, is_causal=cfg.is_causal, window=cfg.window,
-            q_len=q_len if cfg.mask_q_len else None,
-            kv_len=kv_len if cfg.mask_kv_len else None, q_seg=q_seg, kv_seg=kv_seg)
-        if "mask" in ins:
-            visible = jnp.logical_and(visible, ins["mask"][...] != 0)
+        s, _, visible = score_tile(ins, cfg, q_start, k_start, q_len, kv_len)  # [B_r, B_c]
         # m and l are lane-replicated [B_r, 128]: a lane max recovers the [B_r] vector.
         state = online_softmax.State(jnp.max(m_ref[...], axis=-1), jnp.max(l_ref[...], axis=-1),
                                      acc_ref[...])
