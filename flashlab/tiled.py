@@ -53,8 +53,9 @@ def tiled_attention(query, key, value, bias=None, mask=None, *, scale=None, is_c
     """Blockwise (FlashAttention) attention: same arguments and results as ``naive_attention``.
 
     Args:
-      query ``[batch, q_seq, heads, d]``; key, value ``[batch, kv_seq, kv_heads, d]``; bias,
-      mask and the mask keywords as :func:`flashlab.reference.naive_attention`.
+      query: ``[batch, q_seq, heads, d]``.
+      key, value: ``[batch, kv_seq, kv_heads, d]``.
+      bias, mask: as in :func:`flashlab.reference.naive_attention`, like the mask keywords.
       block_q, block_k: query/key block sizes (B_r, B_c), positive ints; default
         ``DEFAULT_BLOCK_Q``/``DEFAULT_BLOCK_K`` (clipped to the sequence lengths). Any
         sequence length works: the last block is padded internally and the padding masked.
