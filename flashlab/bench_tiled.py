@@ -9,6 +9,9 @@ Targets (2-core x86 CPU): forward at N=8192 >= 5x naive; N=16384 >= 8x naive and
 FLOP rate >= 60% of this machine's fp32 matmul rate; causal <= 0.6x non-causal;
 fwd+bwd at N=4096 <= 4x the forward; peak RSS of fwd+bwd at N=8192 <= 1.5 GB.
 
+GFLOP/s counts matmul FLOPs: ``4·N²·d`` per head for the forward (halved when causal),
+3.5x that for forward + backward.
+
 Options: ``--quick`` (small N, under a minute), ``--json PATH`` (write all results).
 """
 from __future__ import annotations
@@ -78,7 +81,11 @@ def run_child(cfg: dict) -> dict:
         raise ValueError(f"kind: unknown {kind!r}")
     f = f.lower(q, k, v).compile()        # compiled ahead: no timed run includes compilation
     t = measure.time_fn(f, q, k, v, repeats=repeats, warmup=warmup)
+    # Forward: 2 matmuls of 2·N²·d each. Forward + backward: the forward's 2 plus the
+    # backward's 5 (S recomputed, dP, dV, dK, dQ): 3.5x the forward's count.
     flops = 4.0 * BATCH * HEADS * n * n * HEAD_DIM * (0.5 if causal else 1.0)
+    if kind == "fwdbwd":
+        flops *= 3.5
     return {"seconds": t, "flops": flops}
 
 
