@@ -6,7 +6,7 @@
   in-document positions (:func:`pack`), or padded one per row (:func:`pad`).
 - :mod:`~flashlab.models.transformer`: :class:`DocumentModel`, a ``flax.nnx`` transformer whose
   attention is :func:`flashlab.as_flax_attention_fn` for any backend.
-- :mod:`~flashlab.models.train`: :func:`train` (plain Adam, tqdm progress).
+- :mod:`~flashlab.models.training`: :func:`train` (plain Adam, tqdm progress).
 - :mod:`~flashlab.models.memory`: peak memory of a long-document forward in a child process
   under an address-space cap.
 
@@ -15,7 +15,7 @@ Needs ``flax`` (``pip install "flashlab[flax]"``).
 from .corpus import KEY, PAD, key_seen, make_documents
 from .memory import forward_memories, forward_memory
 from .packing import Batch, pack, pad, unpack
-from .train import TrainConfig, train, train_model
+from .training import TrainConfig, train, train_model
 from .transformer import DocumentModel, ModelConfig
 
 __all__ = ["KEY", "PAD", "key_seen", "make_documents", "Batch", "pack", "pad", "unpack", "ModelConfig",

@@ -22,14 +22,17 @@ def packing_figure(packed, padded, *, row: int = 0):
     plt = _plt()
     fig, axes = plt.subplots(1, 3, figsize=(11, 3.4), dpi=90,
                              gridspec_kw={"width_ratios": [1.3, 1.3, 1]})
-    cmap = plt.get_cmap("tab20").copy()
+    cmap = plt.get_cmap("tab10").copy()
     cmap.set_bad("white")
     for ax, b, title in ((axes[0], packed, "packed"), (axes[1], padded, "padded")):
+        # Colour = document; white = padding. Segment ids cycle through ten colours.
         seg = np.ma.masked_equal(np.asarray(b.segment_ids), 0)
-        ax.imshow(seg, aspect="auto", cmap=cmap, interpolation="nearest", vmin=1, vmax=20)
+        ax.imshow((seg - 1) % 10, aspect="auto", cmap=cmap, interpolation="nearest",
+                  vmin=-0.5, vmax=9.5)
         ax.set_title(f"{title}: {b.shape[0]} rows x {b.shape[1]}, {100 * b.fill():.0f}% tokens")
         ax.set_xlabel("position in row")
         ax.set_ylabel("row")
+        ax.set_yticks(range(b.shape[0]))
     s = np.asarray(packed.segment_ids[row])
     n = len(s)
     visible = (s[:, None] == s[None, :]) & (s[:, None] > 0) & np.tri(n, dtype=bool)
@@ -75,13 +78,21 @@ def backend_loss_figure(curves: Mapping[str, Sequence[float]], *, reference: str
     return fig
 
 
+def _failed_allocation_bytes(error: str) -> int | None:
+    """The size in XLA's "Out of memory allocating N bytes" message, if there is one."""
+    import re
+    m = re.search(r"allocating (\d+) bytes", error or "")
+    return int(m.group(1)) if m else None
+
+
 def long_document_figure(results: Sequence[Mapping]):
     """Peak resident memory of capped long-document forwards (:func:`flashlab.models.forward_memories`).
 
-    One bar per run; a run that ran out of memory is drawn hatched up to the cap and labelled.
+    One bar per run: its measured peak RSS. A run that failed is drawn with its peak at the
+    moment of failure plus, hatched on top, the allocation that failed (from XLA's message).
     """
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(6.5, 3.4), dpi=90)
+    fig, ax = plt.subplots(figsize=(6.5, 3.6), dpi=90)
     cap = max(r["cap_bytes"] for r in results) / 2**30
     labels = []
     for i, r in enumerate(results):
@@ -89,15 +100,22 @@ def long_document_figure(results: Sequence[Mapping]):
         if r.get("attention", "segment_ids") != "segment_ids":
             label += f"\n{r['attention']}"
         labels.append(label)
+        h = r.get("peak_rss_bytes", 0) / 2**30
+        ax.bar(i, h, color="C0" if r["ok"] else "C3")
         if r["ok"]:
-            h = r["peak_rss_bytes"] / 2**30
-            ax.bar(i, h, color="C0")
             ax.text(i, h, f"{h:.2f} GiB", ha="center", va="bottom", fontsize=8)
+            continue
+        want = _failed_allocation_bytes(r.get("error", ""))
+        if want is not None:
+            w = want / 2**30
+            ax.bar(i, w, bottom=h, color="white", edgecolor="C3", hatch="//")
+            ax.text(i, h + w, f"failed: +{w:.2f} GiB", ha="center", va="bottom", fontsize=8,
+                    color="C3")
         else:
-            ax.bar(i, cap, color="white", edgecolor="C3", hatch="//")
-            ax.text(i, cap / 2, "out of\nmemory", ha="center", va="center", color="C3")
-    ax.axhline(cap, color="C3", lw=1, ls="--", label=f"cap (RLIMIT_AS) {cap:.1f} GiB")
+            ax.text(i, h, "failed", ha="center", va="bottom", fontsize=8, color="C3")
+    ax.axhline(cap, color="k", lw=1, ls="--", label=f"cap (RLIMIT_AS, address space) {cap:.1f} GiB")
     ax.set_xticks(range(len(labels)), labels, fontsize=8)
+    ax.set_ylim(0, cap * 1.15)
     ax.set_ylabel("peak RSS of the process (GiB)")
     ax.set_title("One forward of the document model, one long document")
     ax.legend(fontsize=8, loc="upper left")
