@@ -49,7 +49,8 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
       ``explain=True``). A query row with no visible key is all zeros, with zero gradients.
 
     Raises:
-      TypeError/ValueError: bad input (names the argument, what it got and what it wanted).
+      TypeError: an argument of the wrong type or dtype (names it, what it got and wanted).
+      ValueError: an argument of the wrong shape or value (names it, what it got and wanted).
       NotImplementedError: the named backend's declaration excludes this request (names the
         feature and the backends that support it).
     """

@@ -18,6 +18,6 @@ from .packing import Batch, pack, pad, unpack
 from .training import TrainConfig, train, train_model
 from .transformer import DocumentModel, ModelConfig
 
-__all__ = ["KEY", "PAD", "key_seen", "make_documents", "Batch", "pack", "pad", "unpack", "ModelConfig",
-           "DocumentModel", "TrainConfig", "train", "train_model", "forward_memory",
+__all__ = ["KEY", "PAD", "key_seen", "make_documents", "Batch", "pack", "pad", "unpack",
+           "ModelConfig", "DocumentModel", "TrainConfig", "train", "train_model", "forward_memory",
            "forward_memories"]

@@ -33,9 +33,11 @@ def make_documents(rng: np.random.Generator | int, num_docs: int, *, vocab_size:
     ``rng`` is a ``numpy.random.Generator`` or a seed.
     """
     if not 1 <= min_len <= max_len:
-        raise ValueError(f"min_len, max_len: expected 1 <= min_len <= max_len, got {min_len}, {max_len}")
+        raise ValueError("min_len, max_len: expected 1 <= min_len <= max_len, "
+                         f"got {min_len}, {max_len}")
     if vocab_size < 3:
-        raise ValueError(f"vocab_size: expected >= 3 (padding, key, one ordinary token), got {vocab_size}")
+        raise ValueError("vocab_size: expected >= 3 (padding, key, one ordinary token), "
+                         f"got {vocab_size}")
     rng = np.random.default_rng(rng)
     docs = []
     for _ in range(num_docs):

@@ -51,7 +51,8 @@ class ModelConfig:
         if self.d_model % self.num_heads:
             raise ValueError(f"num_heads: must divide d_model={self.d_model}, got {self.num_heads}")
         if self.attention not in ("segment_ids", "dense_mask"):
-            raise ValueError(f"attention: expected 'segment_ids' or 'dense_mask', got {self.attention!r}")
+            raise ValueError("attention: expected 'segment_ids' or 'dense_mask', "
+                             f"got {self.attention!r}")
 
 
 class Block(nnx.Module):

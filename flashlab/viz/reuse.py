@@ -86,8 +86,9 @@ def _failed_allocation_bytes(error: str) -> int | None:
 
 
 def long_document_figure(results: Sequence[Mapping]):
-    """Peak resident memory of capped long-document forwards (:func:`flashlab.models.forward_memories`).
+    """Peak resident memory of capped long-document forwards.
 
+    ``results`` come from :func:`flashlab.models.forward_memories`.
     One bar per run: its measured peak RSS. A run that failed is drawn with its peak at the
     moment of failure plus, hatched on top, the allocation that failed (from XLA's message).
     """
