@@ -81,7 +81,11 @@ def train_model(model_cfg: ModelConfig, backend: str = "auto", steps: int = 100,
     ``losses[i]`` is the loss of step ``i``'s batch before its update. ``progress`` shows a
     tqdm bar.
     """
-    from tqdm import tqdm
+    if progress:
+        from tqdm import tqdm   # the `flax` extra installs it
+    else:
+        def tqdm(it, **_):
+            return it
 
     model = DocumentModel(model_cfg, backend, rngs=nnx.Rngs(seed))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
@@ -96,7 +100,7 @@ def train_model(model_cfg: ModelConfig, backend: str = "auto", steps: int = 100,
 
     opt = adam_init(params)
     losses = np.zeros(steps)
-    for i in tqdm(range(steps), desc=f"train [{backend}]", disable=not progress):
+    for i in tqdm(range(steps), desc=f"train [{backend}]"):
         b = sample_batch(seed, i, model_cfg, cfg)
         batch = (b.tokens, b.labels, b.segment_ids, b.positions, b.weights)
         params, opt, loss = step_fn(params, opt, batch)
