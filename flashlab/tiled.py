@@ -13,13 +13,14 @@ with ``D_i = rowsum(dO_i ∘ O_i)``::
     dV_j += P_ijᵀ dO_i        dP_ij = dO_i V_jᵀ        dS_ij = P_ij ∘ (dP_ij − D_i)
     dQ_i += scale · dS_ij K_j                           dK_j += scale · dS_ijᵀ Q_i
 
-Inside a tile every (batch, kv head, query head of the group) is computed at once:
-queries are laid out ``[B, K, G, T, d]`` so GQA reads each K/V block once and never repeats
-it in memory. One tile is ``[B, K, G, block_q, block_k]`` float32.
+Inside a tile every (batch, kv head, query head of the group) is computed at once: a query
+block is laid out ``[B·K, G·block_q, d]`` so GQA reads each K/V block once and never repeats
+it in memory, and each product is one batched matmul.
 
 Speed on CPU comes from big tiles and from doing no per-element mask work in tiles that are
-fully visible: a ``lax.cond`` picks between a masked and an unmasked tile update, and tiles
-that are entirely invisible are not visited at all (the kv loop has per-q-block bounds).
+fully visible: each query block (each key block, in the backward) walks three static ranges,
+masked / unmasked / masked, so for causal attention only the diagonal tiles pay for a mask,
+and tiles that are entirely invisible are not visited at all.
 """
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ from . import online_softmax as osm
 from .masks import AttentionSpec, block_maybe_visible, structural_visible, validate
 
 __all__ = ["tiled_attention", "tiled_attention_from_spec", "tiled_attention_with_lse_from_spec",
-           "tiled_hbm_bytes", "DEFAULT_BLOCK_Q", "DEFAULT_BLOCK_K", "block_tables"]
+           "tiled_hbm_bytes", "DEFAULT_BLOCK_Q", "DEFAULT_BLOCK_K", "block_tables",
+           "visit_ranges"]
 
 # Tuned on a 2-core x86 CPU (fp32, B=1, 8 heads, d=64; see flashlab.bench_tiled): large tiles
 # amortize the per-iteration loop overhead and keep the two matmuls per tile efficient.
@@ -51,8 +53,9 @@ def tiled_attention(query, key, value, bias=None, mask=None, *, scale=None, is_c
     """Blockwise (FlashAttention) attention: same arguments and results as ``naive_attention``.
 
     Args:
-      query ``[batch, q_seq, heads, d]``; key, value ``[batch, kv_seq, kv_heads, d]``; bias,
-      mask and the mask keywords as :func:`flashlab.reference.naive_attention`.
+      query: ``[batch, q_seq, heads, d]``.
+      key, value: ``[batch, kv_seq, kv_heads, d]``.
+      bias, mask: as in :func:`flashlab.reference.naive_attention`, like the mask keywords.
       block_q, block_k: query/key block sizes (B_r, B_c), positive ints; default
         ``DEFAULT_BLOCK_Q``/``DEFAULT_BLOCK_K`` (clipped to the sequence lengths). Any
         sequence length works: the last block is padded internally and the padding masked.
@@ -94,23 +97,24 @@ def _with_lse(query, key, value, spec: AttentionSpec, bq: int, bk: int):
     B, T, N, H = query.shape
     S, K, Hv = key.shape[1], key.shape[2], value.shape[3]
     G = N // K
-    cfg = _Config(T=T, S=S, bq=bq, bk=bk, scale=spec.scale, soft_cap=spec.soft_cap,
-                  is_causal=spec.is_causal, window=spec.window,
-                  bias_shape=None if spec.bias is None else tuple(spec.bias.shape))
+    cfg = _Config(B=B, K=K, G=G, T=T, S=S, bq=bq, bk=bk, scale=spec.scale,
+                  soft_cap=spec.soft_cap, is_causal=spec.is_causal, window=spec.window)
     Tp, Sp = _round_up(T, bq), _round_up(S, bk)
-    # [B, T, N, d] -> [B, K, G, T, d]: query head h = k*G + g reads kv head k.
-    q5 = _pad(query.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4), 3, Tp)
-    k4 = _pad(key.transpose(0, 2, 1, 3), 2, Sp)                 # [B, K, Sp, d]
-    v4 = _pad(value.transpose(0, 2, 1, 3), 2, Sp)               # [B, K, Sp, d_v]
-    bias5 = None if spec.bias is None else _pad(_pad(_heads5(spec.bias, K, G), 3, Tp), 4, Sp)
-    aux = _Aux(mask=None if spec.mask is None else _pad(_pad(_heads5(spec.mask, K, G), 3, Tp), 4, Sp),
+    # [B, T, N, d] -> [B·K, G, T, d]: query head h = k*G + g reads kv head k.
+    q4 = query.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4).reshape(B * K, G, T, H)
+    q4 = _pad(q4, 2, Tp)
+    kv3 = lambda x: _pad(x.transpose(0, 2, 1, 3).reshape(B * K, S, x.shape[3]), 1, Sp)
+    k3, v3 = kv3(key), kv3(value)                               # [B·K, Sp, d], [B·K, Sp, d_v]
+    pad5 = lambda x: _pad(_pad(_heads5(x, K, G), 3, Tp), 4, Sp)  # [B|1, K|1, G|1, Tp, Sp]
+    bias5 = None if spec.bias is None else pad5(spec.bias)
+    aux = _Aux(mask=None if spec.mask is None else pad5(spec.mask),
                q_lengths=spec.q_lengths, kv_lengths=spec.kv_lengths,
                q_seg=None if spec.q_segment_ids is None else _pad(spec.q_segment_ids, 1, Tp),
                kv_seg=None if spec.kv_segment_ids is None else _pad(spec.kv_segment_ids, 1, Sp))
-    out5, lse4 = _flash(cfg, q5, k4, v4, bias5, aux)
-    out = out5[:, :, :, :T].transpose(0, 3, 1, 2, 4).reshape(B, T, N, Hv).astype(query.dtype)
-    lse = lse4[:, :, :, :T].reshape(B, N, T)
-    return out, lse
+    out4, lse3 = _flash(cfg, q4, k3, v3, bias5, aux)
+    out = out4[:, :, :T].reshape(B, K, G, T, Hv).transpose(0, 3, 1, 2, 4).reshape(B, T, N, Hv)
+    lse = lse3[:, :, :T].reshape(B, N, T)
+    return out.astype(query.dtype), lse
 
 
 def tiled_hbm_bytes(*, batch: int, heads: int, q_len: int, kv_len: int, head_dim: int,
@@ -166,10 +170,28 @@ def block_tables(q_len: int, kv_len: int, block_q: int, block_k: int, *, is_caus
 
 
 # ----------------------------------------------------------------------------- internals
+#
+# Layout inside the loops. Queries are stored ``[BK, G, Tp, d]`` (BK = batch · kv_heads, G =
+# query heads per kv head) and one query block is viewed as ``[BK, G·bq, d]``: its G·bq rows
+# all read the same K/V block, so each product is one batched matmul with a single
+# contraction dimension (XLA:CPU hands it straight to its GEMM, no transposes), and GQA never
+# repeats K/V.
+#
+#   forward tile   S  [BK, G·bq, bk]   rows are queries: the online-softmax state is per row
+#   backward tile  Sᵀ [BK, bk, G·bq]   rows are keys: dV = Pᵀ dO and dK = dSᵀ Q are plain
+#                                      matmuls; only dQ = dS K contracts over the tile's rows
+#
+# Every row of the block table (a q block in the forward, a kv block in the backward) is
+# visited in three loops over static ranges: ``[lo, flo)`` masked, ``[flo, fhi)`` fully
+# visible (no per-element mask work at all), ``[fhi, hi)`` masked. Blocks outside
+# ``[lo, hi)`` are never touched. For causal attention only the diagonal tiles are masked.
 
 @dataclasses.dataclass(frozen=True)
 class _Config:
     """Static facts of one call (hashable: the custom_vjp's non-differentiable argument)."""
+    B: int
+    K: int
+    G: int
     T: int
     S: int
     bq: int
@@ -178,7 +200,6 @@ class _Config:
     soft_cap: float | None
     is_causal: bool
     window: tuple | None
-    bias_shape: tuple | None
 
 
 @jax.tree_util.register_dataclass
@@ -225,199 +246,238 @@ def _heads5(x, K, G):
     return x.reshape(b, K, G, t, s) if n > 1 else x.reshape(b, 1, 1, t, s)
 
 
-def _tables(cfg: _Config):
-    return block_tables(cfg.T, cfg.S, cfg.bq, cfg.bk, is_causal=cfg.is_causal, window=cfg.window)
+def visit_ranges(maybe, full, *, all_masked=False):
+    """``[4, R]`` int32: per row of a block table, ``lo, flo, fhi, hi``.
+
+    Row ``r`` visits ``[lo, flo)`` with masking, ``[flo, fhi)`` without, ``[fhi, hi)`` with.
+    ``maybe``/``full`` are :func:`block_tables`' tables (or their transposes, for the
+    backward's kv-block rows). ``all_masked`` (a dense mask or segment ids, known only at run
+    time) makes every visited tile masked.
+    """
+    R = maybe.shape[0]
+    out = np.zeros((4, R), np.int32)
+    for r in range(R):
+        vis = np.flatnonzero(maybe[r])
+        if not len(vis):
+            continue
+        lo, hi = int(vis[0]), int(vis[-1]) + 1
+        f = np.flatnonzero(full[r])
+        if all_masked or not len(f) or not full[r, f[0]:f[-1] + 1].all():
+            flo = fhi = hi
+        else:
+            flo, fhi = int(f[0]), int(f[-1]) + 1
+        out[:, r] = lo, flo, fhi, hi
+    return out
 
 
-def _needs_mask_mode(cfg: _Config, aux: _Aux, full):
-    """'always', 'never' or 'cond': whether tiles need per-element masking."""
-    if aux.mask is not None or aux.q_seg is not None:
-        return "always"
-    if full.all() and aux.q_lengths is None and aux.kv_lengths is None:
-        return "never"
-    return "cond"
+def _bounds(ranges, r, *, row_len, row_block, col_len, col_block):
+    """Traced ``lo, flo, fhi, hi`` for row ``r``, tightened by the run-time lengths.
+
+    ``row_len``/``col_len``: ``None`` or the ``[B]`` lengths along the table's rows/columns.
+    A tile is free of padding only if it lies inside *every* sequence of the batch (min
+    length); blocks past *every* sequence (max length) are skipped.
+    """
+    lo, flo, fhi, hi = (ranges[n, r] for n in range(4))
+    if row_len is not None:
+        fhi = jnp.where((r + 1) * row_block > jnp.min(row_len), flo, fhi)
+        hi = jnp.where(r * row_block >= jnp.max(row_len), lo, hi)
+    if col_len is not None:
+        fhi = jnp.minimum(fhi, jnp.min(col_len) // col_block)
+        hi = jnp.minimum(hi, -(-jnp.max(col_len) // col_block))
+    hi = jnp.maximum(hi, lo)
+    flo = jnp.minimum(flo, hi)
+    fhi = jnp.clip(fhi, flo, hi)
+    return lo, flo, fhi, hi
 
 
-def _tile_is_full(full_tbl, i, j, cfg, aux):
-    """Traced bool: tile (i, j) needs no mask (structural table + length bounds)."""
-    ok = full_tbl[i, j]
-    if aux.kv_lengths is not None:
-        ok = ok & ((j + 1) * cfg.bk <= jnp.min(aux.kv_lengths))
-    if aux.q_lengths is not None:
-        ok = ok & ((i + 1) * cfg.bq <= jnp.min(aux.q_lengths))
-    return ok
+def _three_loops(bounds, masked_body, unmasked_body, carry):
+    lo, flo, fhi, hi = bounds
+    carry = jax.lax.fori_loop(lo, flo, masked_body, carry)
+    carry = jax.lax.fori_loop(flo, fhi, unmasked_body, carry)
+    return jax.lax.fori_loop(fhi, hi, masked_body, carry)
 
 
-def _visible(cfg: _Config, aux: _Aux, i, j):
-    """Bool ``[B|1, K|1, G|1, bq, bk]``: the one visibility rule for tile (i, j)."""
+def _tables(cfg: _Config, aux: _Aux, *, transposed: bool):
+    maybe, full, _, _ = block_tables(cfg.T, cfg.S, cfg.bq, cfg.bk, is_causal=cfg.is_causal,
+                                     window=cfg.window)
+    if transposed:
+        maybe, full = maybe.T, full.T
+    dense = aux.mask is not None or aux.q_seg is not None
+    return jnp.asarray(visit_ranges(maybe, full, all_masked=dense))
+
+
+def _rows(x5, cfg: _Config, transposed: bool):
+    """A ``[B|1, K|1, G|1, bq, bk]`` tile -> ``[BK, G·bq, bk]`` (or ``[BK, bk, G·bq]``)."""
+    B, K, G, bq, bk = cfg.B, cfg.K, cfg.G, cfg.bq, cfg.bk
+    if transposed:
+        x5 = jnp.moveaxis(x5, 4, 2)                                 # [B, K, bk, G, bq]
+        return jnp.broadcast_to(x5, (B, K, bk, G, bq)).reshape(B * K, bk, G * bq)
+    return jnp.broadcast_to(x5, (B, K, G, bq, bk)).reshape(B * K, G * bq, bk)
+
+
+def _tile(x5, cfg, i, j):
+    """``[.., .., .., Tp, Sp]`` -> the ``[.., .., .., bq, bk]`` tile of blocks (i, j)."""
+    x = jax.lax.dynamic_slice_in_dim(x5, i * cfg.bq, cfg.bq, 3)
+    return jax.lax.dynamic_slice_in_dim(x, j * cfg.bk, cfg.bk, 4)
+
+
+def _visible(cfg: _Config, aux: _Aux, i, j, transposed: bool):
+    """Bool tile in the rows layout: the one visibility rule for blocks (i, j)."""
     q0, k0 = i * cfg.bq, j * cfg.bk
-    q_pos = (q0 + jnp.arange(cfg.bq))[:, None]                 # [bq, 1]
-    k_pos = (k0 + jnp.arange(cfg.bk))[None, :]                 # [1, bk]
-    col = lambda a: a[:, None, None, None, None]                # [B] -> [B,1,1,1,1]
-    kv_len = cfg.S if aux.kv_lengths is None else col(aux.kv_lengths)   # padding is masked
-    q_len = None if aux.q_lengths is None else col(aux.q_lengths)
+    q_idx, k_idx = q0 + jnp.arange(cfg.bq), k0 + jnp.arange(cfg.bk)
+    col = lambda a: a[:, None, None, None, None]                    # [B] -> [B,1,1,1,1]
+    # Positions shaped for the 5-d tile [B, K, G, bq, bk] (or [B, K, bk, G, bq]).
+    if transposed:
+        q_pos, k_pos = q_idx[None, None, None, None, :], k_idx[None, None, :, None, None]
+    else:
+        q_pos, k_pos = q_idx[None, None, None, :, None], k_idx[None, None, None, None, :]
     q_seg = kv_seg = None
     if aux.q_seg is not None:
-        q_seg = jax.lax.dynamic_slice_in_dim(aux.q_seg, q0, cfg.bq, 1)[:, None, None, :, None]
-        kv_seg = jax.lax.dynamic_slice_in_dim(aux.kv_seg, k0, cfg.bk, 1)[:, None, None, None, :]
-    vis = structural_visible(q_pos, k_pos, is_causal=cfg.is_causal, window=cfg.window,
-                             q_len=q_len, kv_len=kv_len, q_seg=q_seg, kv_seg=kv_seg)
+        qs = jax.lax.dynamic_slice_in_dim(aux.q_seg, q0, cfg.bq, 1)  # [B, bq]
+        ks = jax.lax.dynamic_slice_in_dim(aux.kv_seg, k0, cfg.bk, 1)  # [B, bk]
+        if transposed:
+            q_seg, kv_seg = qs[:, None, None, None, :], ks[:, None, :, None, None]
+        else:
+            q_seg, kv_seg = qs[:, None, None, :, None], ks[:, None, None, None, :]
+    vis = structural_visible(
+        q_pos, k_pos, is_causal=cfg.is_causal, window=cfg.window,
+        q_len=None if aux.q_lengths is None else col(aux.q_lengths),
+        kv_len=cfg.S if aux.kv_lengths is None else col(aux.kv_lengths),   # padding is masked
+        q_seg=q_seg, kv_seg=kv_seg)
     if aux.mask is not None:
-        vis = vis & _tile(aux.mask, q0, k0, cfg)
-    return vis
+        m = _tile(aux.mask, cfg, i, j)
+        vis = vis & (jnp.moveaxis(m, 4, 2) if transposed else m)
+    B, K, G, bq, bk = cfg.B, cfg.K, cfg.G, cfg.bq, cfg.bk
+    shape = (B, K, bk, G, bq) if transposed else (B, K, G, bq, bk)
+    return jnp.broadcast_to(vis, shape).reshape(B * K, *((bk, G * bq) if transposed
+                                                        else (G * bq, bk)))
 
 
-def _tile(x5, q0, k0, cfg):
-    """``[.., .., .., Tp, Sp]`` -> the ``[.., .., .., bq, bk]`` tile at (q0, k0)."""
-    x = jax.lax.dynamic_slice_in_dim(x5, q0, cfg.bq, 3)
-    return jax.lax.dynamic_slice_in_dim(x, k0, cfg.bk, 4)
+def _scores(cfg, q_blk, k_blk, bias5, i, j, *, transposed=False):
+    """Logits tile in the rows layout (float32) and the raw scaled logits (for the soft cap).
 
-
-def _scores(cfg, q_blk, k_blk, bias5, q0, k0):
-    """Logits tile ``[B, K, G, bq, bk]`` float32 and the raw scaled logits (for the soft cap)."""
-    # q_blk is pre-scaled when the dtype is >= 32 bit (one multiply per row, not per score).
-    s = jnp.einsum("bkgqd,bksd->bkgqs", q_blk, k_blk, preferred_element_type=jnp.float32)
+    ``q_blk`` ``[BK, G·bq, d]`` (pre-scaled when its dtype is >= 32 bit: one multiply per
+    row instead of per score), ``k_blk`` ``[BK, bk, d]``.
+    """
+    spec = "bsd,brd->bsr" if transposed else "brd,bsd->brs"
+    a, b = (k_blk, q_blk) if transposed else (q_blk, k_blk)
+    s = jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
     if jnp.dtype(q_blk.dtype).itemsize < 4:
         s = s * cfg.scale
     raw = s
     if cfg.soft_cap is not None:
         s = cfg.soft_cap * jnp.tanh(s / cfg.soft_cap)
     if bias5 is not None:
-        s = s + _tile(bias5, q0, k0, cfg).astype(jnp.float32)
+        s = s + _rows(_tile(bias5, cfg, i, j), cfg, transposed).astype(jnp.float32)
     return s, raw
 
 
-def _prescale(cfg, q5):
-    if jnp.dtype(q5.dtype).itemsize >= 4:
-        return q5 * jnp.asarray(cfg.scale, q5.dtype)
-    return q5
+def _prescale(cfg, q):
+    if jnp.dtype(q.dtype).itemsize >= 4:
+        return q * jnp.asarray(cfg.scale, q.dtype)
+    return q
 
 
-def _forward(cfg: _Config, q5, k4, v4, bias5, aux: _Aux):
-    """``(out [B,K,G,Tp,d_v] float32, lse [B,K,G,Tp] float32)``."""
-    B, K, G, Tp, H = q5.shape
-    Hv = v4.shape[-1]
-    _, full, lo, hi = _tables(cfg)
-    mode = _needs_mask_mode(cfg, aux, full)
-    full_tbl, lo_tbl, hi_tbl = jnp.asarray(full), jnp.asarray(lo), jnp.asarray(hi)
-    qs = _prescale(cfg, q5)
+def _q_rows(x4, cfg, i):
+    """``[BK, G, Tp, d]`` -> block i's rows ``[BK, G·bq, d]``."""
+    blk = jax.lax.dynamic_slice_in_dim(x4, i * cfg.bq, cfg.bq, 2)
+    return blk.reshape(blk.shape[0], -1, blk.shape[-1])
+
+
+def _forward(cfg: _Config, q4, k3, v3, bias5, aux: _Aux):
+    """``(out [BK, G, Tp, d_v] float32, lse [BK, G, Tp] float32)``."""
+    BK, G, Tp, _ = q4.shape
+    Hv = v3.shape[-1]
+    ranges = _tables(cfg, aux, transposed=False)                    # [4, Tr]
+    qs = _prescale(cfg, q4)
 
     def q_block(i):
-        q0 = i * cfg.bq
-        q_blk = jax.lax.dynamic_slice_in_dim(qs, q0, cfg.bq, 3)      # [B, K, G, bq, d]
+        q_blk = _q_rows(qs, cfg, i)                                 # [BK, G·bq, d]
 
-        def kv_step(j, state):
-            k0 = j * cfg.bk
-            k_blk = jax.lax.dynamic_slice_in_dim(k4, k0, cfg.bk, 2)   # [B, K, bk, d]
-            v_blk = jax.lax.dynamic_slice_in_dim(v4, k0, cfg.bk, 2)   # [B, K, bk, d_v]
-            v_blk = v_blk[:, :, None]                                  # [B, K, 1, bk, d_v]
+        def kv_step(masked):
+            def body(j, state):
+                k_blk = jax.lax.dynamic_slice_in_dim(k3, j * cfg.bk, cfg.bk, 1)  # [BK, bk, d]
+                v_blk = jax.lax.dynamic_slice_in_dim(v3, j * cfg.bk, cfg.bk, 1)  # [BK, bk, d_v]
+                s, _ = _scores(cfg, q_blk, k_blk, bias5, i, j)     # [BK, G·bq, bk]
+                vis = _visible(cfg, aux, i, j, False) if masked else None
+                return osm.update(state, s, v_blk, vis)
+            return body
 
-            def unmasked(state):
-                s, _ = _scores(cfg, q_blk, k_blk, bias5, q0, k0)
-                return osm.update(state, s, v_blk)
+        bounds = _bounds(ranges, i, row_len=aux.q_lengths, row_block=cfg.bq,
+                         col_len=aux.kv_lengths, col_block=cfg.bk)
+        state = _three_loops(bounds, kv_step(True), kv_step(False),
+                             osm.init((BK, G * cfg.bq), Hv))
+        out, lse = osm.finalize(state)
+        return out.reshape(BK, G, cfg.bq, Hv), lse.reshape(BK, G, cfg.bq)
 
-            def masked(state):
-                s, _ = _scores(cfg, q_blk, k_blk, bias5, q0, k0)
-                return osm.update(state, s, v_blk, _visible(cfg, aux, i, j))
-
-            if mode == "never":
-                return unmasked(state)
-            if mode == "always":
-                return masked(state)
-            return jax.lax.cond(_tile_is_full(full_tbl, i, j, cfg, aux), unmasked, masked, state)
-
-        state = osm.init((B, K, G, cfg.bq), Hv)
-        state = jax.lax.fori_loop(lo_tbl[i], hi_tbl[i], kv_step, state)
-        return osm.finalize(state)                 # [B,K,G,bq,d_v], [B,K,G,bq]
-
-    n_q = Tp // cfg.bq
-    out, lse = jax.lax.map(q_block, jnp.arange(n_q))   # [Tr, B, K, G, bq, .]
-    out = jnp.moveaxis(out, 0, 3).reshape(B, K, G, Tp, Hv)
-    lse = jnp.moveaxis(lse, 0, 3).reshape(B, K, G, Tp)
-    return out, lse
+    out, lse = jax.lax.map(q_block, jnp.arange(Tp // cfg.bq))       # [Tr, BK, G, bq, .]
+    return (jnp.moveaxis(out, 0, 2).reshape(BK, G, Tp, Hv),
+            jnp.moveaxis(lse, 0, 2).reshape(BK, G, Tp))
 
 
-def _backward(cfg: _Config, q5, k4, v4, bias5, aux: _Aux, out5, lse4, dout5, dlse4):
-    """FlashAttention-2 backward: kv blocks outer, visible q blocks inner; dQ accumulated."""
-    B, K, G, Tp, H = q5.shape
-    Sp, Hv = k4.shape[2], v4.shape[-1]
-    maybe, full, _, _ = _tables(cfg)
-    mode = _needs_mask_mode(cfg, aux, full)
-    # Per kv block j: the q-block range [qlo, qhi) that may see it.
-    Tr, Tc = maybe.shape
-    qlo = np.array([int(np.argmax(c)) if c.any() else 0 for c in maybe.T], np.int32)
-    qhi = np.array([Tr - int(np.argmax(c[::-1])) if c.any() else 0 for c in maybe.T], np.int32)
-    full_tbl, qlo_tbl, qhi_tbl = jnp.asarray(full), jnp.asarray(qlo), jnp.asarray(qhi)
+def _backward(cfg: _Config, q4, k3, v3, bias5, aux: _Aux, out4, lse3, dout4, dlse3):
+    """FlashAttention-2 backward: kv blocks outer, the q blocks that see them inner."""
+    BK, G, Tp, H = q4.shape
+    Sp, Hv = k3.shape[1], v3.shape[-1]
     f32 = jnp.float32
-    lowp = jnp.dtype(q5.dtype).itemsize < 4
-    mm_dtype = q5.dtype if lowp else f32          # dtype of P, dS fed to the matmuls
-    qs = _prescale(cfg, q5)
+    ranges = _tables(cfg, aux, transposed=True)                     # [4, Tc]
+    lowp = jnp.dtype(q4.dtype).itemsize < 4
+    mm_dtype = q4.dtype if lowp else f32          # dtype of P, dS fed to the matmuls
+    qs = _prescale(cfg, q4)
     # D_i = rowsum(dO ∘ O) - dlse  (the lse cotangent enters as dS += P ∘ dlse).
-    finite = jnp.isfinite(lse4)
-    D = jnp.sum(dout5.astype(f32) * out5.astype(f32), axis=-1)        # [B, K, G, Tp]
-    D = D - jnp.where(finite, dlse4, 0.0)
-    lse_use = jnp.where(finite, lse4, 0.0)       # masked s = -inf -> P = 0 anyway
-    do5 = dout5.astype(q5.dtype)
+    finite = jnp.isfinite(lse3)
+    D = jnp.sum(dout4.astype(f32) * out4.astype(f32), axis=-1)      # [BK, G, Tp]
+    D = D - jnp.where(finite, dlse3, 0.0)
+    lse_use = jnp.where(finite, lse3, 0.0)       # masked s = -inf -> P = 0 anyway
+    do4 = dout4.astype(q4.dtype)
+    row_vec = lambda x, i: jax.lax.dynamic_slice_in_dim(x, i * cfg.bq, cfg.bq, 2).reshape(BK, 1, -1)
 
     def kv_block(carry, j):
         dq, dbias = carry
-        k0 = j * cfg.bk
-        k_blk = jax.lax.dynamic_slice_in_dim(k4, k0, cfg.bk, 2)       # [B, K, bk, d]
-        v_blk = jax.lax.dynamic_slice_in_dim(v4, k0, cfg.bk, 2)       # [B, K, bk, d_v]
+        k_blk = jax.lax.dynamic_slice_in_dim(k3, j * cfg.bk, cfg.bk, 1)   # [BK, bk, d]
+        v_blk = jax.lax.dynamic_slice_in_dim(v3, j * cfg.bk, cfg.bk, 1)   # [BK, bk, d_v]
 
-        def q_step(i, c):
-            dq, dbias, dk, dv = c
-            q0 = i * cfg.bq
-            q_blk = jax.lax.dynamic_slice_in_dim(qs, q0, cfg.bq, 3)   # [B, K, G, bq, d]
-            do_blk = jax.lax.dynamic_slice_in_dim(do5, q0, cfg.bq, 3)
-            lse_blk = jax.lax.dynamic_slice_in_dim(lse_use, q0, cfg.bq, 3)
-            D_blk = jax.lax.dynamic_slice_in_dim(D, q0, cfg.bq, 3)
-
-            def tile(use_mask):
-                s, raw = _scores(cfg, q_blk, k_blk, bias5, q0, k0)
-                if use_mask:
-                    s = jnp.where(_visible(cfg, aux, i, j), s, -jnp.inf)
-                p = jnp.exp(s - lse_blk[..., None])                    # [B,K,G,bq,bk]
-                dp = jnp.einsum("bkgqd,bksd->bkgqs", do_blk, v_blk, preferred_element_type=f32)
-                ds = p * (dp - D_blk[..., None])                        # dL/d(logits + bias)
+        def q_step(masked):
+            def body(i, c):
+                dq, dbias, dk, dv = c
+                q_blk = _q_rows(qs, cfg, i)                        # [BK, G·bq, d]
+                do_blk = _q_rows(do4, cfg, i)                      # [BK, G·bq, d_v]
+                s, raw = _scores(cfg, q_blk, k_blk, bias5, i, j, transposed=True)  # [BK, bk, G·bq]
+                if masked:
+                    s = jnp.where(_visible(cfg, aux, i, j, True), s, -jnp.inf)
+                p = jnp.exp(s - row_vec(lse_use, i))
+                dp = jnp.einsum("bsd,brd->bsr", v_blk, do_blk, preferred_element_type=f32)
+                ds = p * (dp - row_vec(D, i))                       # dL/d(logits + bias)
                 dsr = ds
                 if cfg.soft_cap is not None:
                     t = jnp.tanh(raw / cfg.soft_cap)
-                    dsr = ds * (1.0 - t * t)                            # through c·tanh(s/c)
+                    dsr = ds * (1.0 - t * t)                        # through c·tanh(s/c)
                 pm, dsm = p.astype(mm_dtype), dsr.astype(mm_dtype)
-                dv_t = jnp.einsum("bkgqs,bkgqd->bksd", pm, do_blk.astype(mm_dtype),
-                                  preferred_element_type=f32)
-                dk_t = jnp.einsum("bkgqs,bkgqd->bksd", dsm, q_blk.astype(mm_dtype),
-                                  preferred_element_type=f32)
-                dq_t = jnp.einsum("bkgqs,bksd->bkgqd", dsm, k_blk.astype(mm_dtype),
-                                  preferred_element_type=f32)
-                db_t = None
-                if bias5 is not None:
-                    db_t = _reduce_to(ds, cfg.bias_shape, K, G)
-                return dq_t, dk_t, dv_t, db_t
+                dv = dv + jnp.einsum("bsr,brd->bsd", pm, do_blk.astype(mm_dtype),
+                                     preferred_element_type=f32)
+                dk = dk + jnp.einsum("bsr,brd->bsd", dsm, q_blk.astype(mm_dtype),
+                                     preferred_element_type=f32)
+                dq_t = jnp.einsum("bsr,bsd->brd", dsm, k_blk.astype(mm_dtype),
+                                  preferred_element_type=f32)       # [BK, G·bq, d]
+                q0 = i * cfg.bq
+                old = jax.lax.dynamic_slice_in_dim(dq, q0, cfg.bq, 2)
+                dq = jax.lax.dynamic_update_slice_in_dim(dq, old + dq_t.reshape(old.shape), q0, 2)
+                if bias5 is not None:     # each tile is visited once: write, don't add
+                    blk = jax.lax.dynamic_slice_in_dim(dbias, q0, cfg.bq, 3)
+                    blk = jax.lax.dynamic_update_slice_in_dim(
+                        blk, _bias_grad(ds, cfg, bias5.shape), j * cfg.bk, 4)
+                    dbias = jax.lax.dynamic_update_slice_in_dim(dbias, blk, q0, 3)
+                return dq, dbias, dk, dv
+            return body
 
-            if mode == "never":
-                dq_t, dk_t, dv_t, db_t = tile(False)
-            elif mode == "always":
-                dq_t, dk_t, dv_t, db_t = tile(True)
-            else:
-                dq_t, dk_t, dv_t, db_t = jax.lax.cond(
-                    _tile_is_full(full_tbl, i, j, cfg, aux),
-                    lambda: tile(False), lambda: tile(True))
-            old = jax.lax.dynamic_slice_in_dim(dq, q0, cfg.bq, 3)
-            dq = jax.lax.dynamic_update_slice_in_dim(dq, old + dq_t, q0, 3)
-            if db_t is not None:
-                blk = jax.lax.dynamic_slice_in_dim(dbias, q0, cfg.bq, 3)
-                blk = jax.lax.dynamic_update_slice_in_dim(blk, db_t, k0, 4)
-                dbias = jax.lax.dynamic_update_slice_in_dim(dbias, blk, q0, 3)
-            return dq, dbias, dk + dk_t, dv + dv_t
-
-        dk = jnp.zeros((B, K, cfg.bk, H), f32)
-        dv = jnp.zeros((B, K, cfg.bk, Hv), f32)
-        dq, dbias, dk, dv = jax.lax.fori_loop(qlo_tbl[j], qhi_tbl[j], q_step, (dq, dbias, dk, dv))
+        bounds = _bounds(ranges, j, row_len=aux.kv_lengths, row_block=cfg.bk,
+                         col_len=aux.q_lengths, col_block=cfg.bq)
+        zeros = (jnp.zeros((BK, cfg.bk, H), f32), jnp.zeros((BK, cfg.bk, Hv), f32))
+        dq, dbias, dk, dv = _three_loops(bounds, q_step(True), q_step(False),
+                                         (dq, dbias, *zeros))
         return (dq, dbias), (dk, dv)
 
-    dq0 = jnp.zeros((B, K, G, Tp, H), f32)
+    dq0 = jnp.zeros((BK, G, Tp, H), f32)
     db0 = jnp.zeros(()) if bias5 is None else jnp.zeros(bias5.shape, f32)
     (dq, dbias), (dk, dv) = jax.lax.scan(kv_block, (dq0, db0), jnp.arange(Sp // cfg.bk))
     # dQ = scale · dS K, applied once per element rather than per tile; dK = scale · dSᵀ Q
@@ -425,38 +485,40 @@ def _backward(cfg: _Config, q5, k4, v4, bias5, aux: _Aux, out5, lse4, dout5, dls
     dq = dq * cfg.scale
     if lowp:
         dk = dk * cfg.scale
-    dk = jnp.moveaxis(dk, 0, 2).reshape(B, K, Sp, H)     # [Tc, B, K, bk, d] -> [B, K, Sp, d]
-    dv = jnp.moveaxis(dv, 0, 2).reshape(B, K, Sp, Hv)
+    dk = jnp.moveaxis(dk, 0, 1).reshape(BK, Sp, H)       # [Tc, BK, bk, d] -> [BK, Sp, d]
+    dv = jnp.moveaxis(dv, 0, 1).reshape(BK, Sp, Hv)
     return dq, dk, dv, (None if bias5 is None else dbias)
 
 
-def _reduce_to(ds, bias_shape, K, G):
-    """Sum ``dS [B, K, G, bq, bk]`` over the bias's broadcast dimensions."""
-    b, n = bias_shape[:2]
-    if n == 1:
+def _bias_grad(ds, cfg, bias_shape):
+    """``dS [BK, bk, G·bq]`` (backward rows layout) -> the bias tile ``[b, k, g, bq, bk]``,
+    summed over the dimensions the bias broadcasts over."""
+    ds = ds.reshape(cfg.B, cfg.K, cfg.bk, cfg.G, cfg.bq)
+    ds = jnp.moveaxis(ds, 2, 4)                                      # [B, K, G, bq, bk]
+    if bias_shape[1] == 1:
         ds = ds.sum(axis=(1, 2), keepdims=True)
-    if b == 1:
+    if bias_shape[0] == 1:
         ds = ds.sum(axis=0, keepdims=True)
     return ds
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(cfg, q5, k4, v4, bias5, aux):
-    return _forward(cfg, q5, k4, v4, bias5, aux)
+def _flash(cfg, q4, k3, v3, bias5, aux):
+    return _forward(cfg, q4, k3, v3, bias5, aux)
 
 
-def _flash_fwd(cfg, q5, k4, v4, bias5, aux):
-    out, lse = _forward(cfg, q5, k4, v4, bias5, aux)
+def _flash_fwd(cfg, q4, k3, v3, bias5, aux):
+    out, lse = _forward(cfg, q4, k3, v3, bias5, aux)
     # Residuals are O(N): inputs, O (in the input dtype) and lse. No N×M array survives.
-    return (out, lse), (q5, k4, v4, bias5, aux, out.astype(q5.dtype), lse)
+    return (out, lse), (q4, k3, v3, bias5, aux, out.astype(q4.dtype), lse)
 
 
 def _flash_bwd(cfg, res, cts):
-    q5, k4, v4, bias5, aux, out, lse = res
+    q4, k3, v3, bias5, aux, out, lse = res
     dout, dlse = cts
-    dq, dk, dv, dbias = _backward(cfg, q5, k4, v4, bias5, aux, out, lse, dout, dlse)
+    dq, dk, dv, dbias = _backward(cfg, q4, k3, v3, bias5, aux, out, lse, dout, dlse)
     daux = jax.tree_util.tree_map(lambda a: np.zeros(a.shape, jax.dtypes.float0), aux)
-    return (dq.astype(q5.dtype), dk.astype(k4.dtype), dv.astype(v4.dtype),
+    return (dq.astype(q4.dtype), dk.astype(k3.dtype), dv.astype(v3.dtype),
             None if bias5 is None else dbias.astype(bias5.dtype), daux)
 
 

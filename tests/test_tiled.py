@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from flashlab.reference import naive_attention, oracle_attention
-from flashlab.tiled import block_tables, tiled_attention, tiled_attention_with_lse_from_spec
+from flashlab.tiled import (block_tables, tiled_attention, tiled_attention_with_lse_from_spec,
+                            visit_ranges)
 from flashlab.masks import validate
 from cases import MASK_OPTIONS, mask_kwargs
 from conftest import random_qkv
@@ -174,3 +175,21 @@ def test_skipped_blocks_are_not_computed():
     """A jaxpr-level check: causal tiles visited = Tr·(Tr+1)/2, counted via the loop bounds."""
     maybe, _, lo, hi = block_tables(4096, 4096, 512, 512, is_causal=True)
     assert int((hi - lo).sum()) == 8 * 9 // 2 and int(maybe.sum()) == 36
+
+
+def test_only_edge_tiles_are_masked():
+    """Causal: of the Tr·(Tr+1)/2 visited tiles only the Tr diagonal ones pay for a mask; a
+    window masks its two edges; a dense mask makes every visited tile masked."""
+    maybe, full, _, _ = block_tables(64, 64, 16, 16, is_causal=True)
+    lo, flo, fhi, hi = visit_ranges(maybe, full)
+    assert lo.tolist() == [0] * 4 and hi.tolist() == [1, 2, 3, 4]
+    assert flo.tolist() == [1, 0, 0, 0] and fhi.tolist() == [1, 1, 2, 3]   # row 0: no full tile
+    lo, flo, fhi, hi = visit_ranges(maybe.T, full.T)          # the backward walks kv blocks
+    assert lo.tolist() == [0, 1, 2, 3] and flo.tolist() == [1, 2, 3, 4] and hi.tolist() == [4] * 4
+    maybe, full, _, _ = block_tables(64, 64, 16, 16, window=(40, 0))
+    lo, flo, fhi, hi = visit_ranges(maybe, full)
+    masked = (flo - lo) + (hi - fhi)
+    assert masked.tolist() == [1, 1, 2, 3] and (fhi - flo).tolist() == [0, 1, 1, 1]
+    assert (masked + fhi - flo).tolist() == maybe.sum(1).tolist()      # every visible tile
+    lo, flo, fhi, hi = visit_ranges(maybe, full, all_masked=True)
+    assert (flo == hi).all() and (fhi == hi).all()
