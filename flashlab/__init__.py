@@ -19,6 +19,15 @@ from .tiled import tiled_attention
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name):
+    # ``flashlab.models`` needs flax (an optional dependency): imported on first use.
+    if name == "models":
+        import importlib
+        return importlib.import_module(".models", __name__)
+    raise AttributeError(f"module 'flashlab' has no attribute {name!r}")
+
+
 __all__ = [
     # the contract
     "attention", "explain", "backends", "as_flax_attention_fn",
@@ -29,4 +38,6 @@ __all__ = [
     # modules
     "device", "masks", "online_softmax", "reference", "registry", "api", "adapters",
     "distributed", "ring_layout", "comm_model", "kernels", "traffic", "roofline", "tiled", "conformance", "leaks", "profiling",
+    # chapter 11: a document model that reuses the kernel (needs flax; imported on first use)
+    "models",
 ]

@@ -49,7 +49,8 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
       ``explain=True``). A query row with no visible key is all zeros, with zero gradients.
 
     Raises:
-      TypeError/ValueError: bad input (names the argument, what it got and what it wanted).
+      TypeError: an argument of the wrong type or dtype (names it, what it got and wanted).
+      ValueError: an argument of the wrong shape or value (names it, what it got and wanted).
       NotImplementedError: the named backend's declaration excludes this request (names the
         feature and the backends that support it).
     """
@@ -115,11 +116,19 @@ def as_flax_attention_fn(backend: str = "auto", **attention_kwargs):
     ``deterministic``) and weight sowing (``module``), which need the attention weights that
     flash attention never materializes. ``attention_kwargs`` (e.g. ``logits_soft_cap``) are
     passed to every call.
+
+    Beyond Flax's signature the returned function takes keyword-only ``segment_ids``
+    (``[batch..., seq]`` int, or a ``(q_ids, kv_ids)`` pair), passed to :func:`attention`
+    as they are. Flax's own modules never pass it (``nnx.MultiHeadAttention`` forwards only
+    ``mask``); a model that calls ``attention_fn`` itself can, and then packed documents cost
+    ``O(seq)`` ids instead of an ``O(seq^2)`` dense mask built from them
+    (see :class:`flashlab.models.DocumentModel`).
     """
 
     def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout=True,
                      dropout_rng=None, dropout_rate=0.0, deterministic=False, dtype=None,
-                     precision=None, module=None, promote_dtype=None, is_causal=False):
+                     precision=None, module=None, promote_dtype=None, is_causal=False, *,
+                     segment_ids=None):
         if dropout_rate > 0.0 and not deterministic:
             raise NotImplementedError(
                 f"flashlab attention_fn: dropout_rate={dropout_rate} with deterministic=False "
@@ -144,8 +153,12 @@ def as_flax_attention_fn(backend: str = "auto", **attention_kwargs):
         flat = lambda x: x.reshape((-1, *x.shape[-3:]))
         if len(batch_shape) != 1:
             query, key, value = flat(query), flat(key), flat(value)
+            if segment_ids is not None:   # [batch..., seq] -> [batch, seq], each of a pair
+                seg = segment_ids if isinstance(segment_ids, (tuple, list)) else (segment_ids,)
+                seg = tuple(jnp.reshape(s, (-1, jnp.shape(s)[-1])) for s in seg)
+                segment_ids = seg if len(seg) == 2 else seg[0]
         out = attention(query, key, value, bias, mask, is_causal=is_causal, backend=backend,
-                        **attention_kwargs)
+                        segment_ids=segment_ids, **attention_kwargs)
         return out.reshape((*batch_shape, *out.shape[-3:]))
 
     return attention_fn

@@ -148,8 +148,9 @@ def sharded_attention(query, key, value, bias=None, mask=None, *, mesh, batch_ax
     """Batch- and head-parallel attention: ``shard_map`` around a single-device backend.
 
     Args:
-      query ``[B, T, N, d]``, key/value ``[B, S, K, d]`` (global arrays), masks as
-        :func:`flashlab.reference.naive_attention`.
+      query: ``[B, T, N, d]`` (a global array).
+      key, value: ``[B, S, K, d]`` (global arrays). The masks, bias, lengths and segment ids
+        are as in :func:`flashlab.reference.naive_attention`.
       mesh: a ``jax.sharding.Mesh``.
       batch_axis: mesh axis name (or tuple of names) splitting ``B``; ``None`` = not split.
       head_axis: mesh axis name splitting the heads. Device ``j`` of ``P_h`` gets query heads
@@ -550,8 +551,9 @@ def ring_attention(query, key, value, bias=None, mask=None, *, mesh, axis_name: 
     """Sequence-parallel (ring) attention over the mesh axis ``axis_name``.
 
     Args:
-      query ``[B, T, N, d]``, key/value ``[B, S, K, d]``: global arrays in natural token order.
-        ``T`` and ``S`` must be multiples of ``P`` (contiguous) or ``2P`` (zig-zag), with
+      query: ``[B, T, N, d]``, a global array in natural token order.
+      key, value: ``[B, S, K, d]``, global arrays in natural token order. ``T`` and ``S`` must
+        be multiples of ``P`` (contiguous) or ``2P`` (zig-zag), with
         ``P = mesh.shape[axis_name]``.
       mesh, axis_name: the ring runs over this mesh axis.
       layout: ``"zigzag"`` (default; device ``i`` holds sequence chunks ``i`` and ``2P-1-i`` so
@@ -559,10 +561,12 @@ def ring_attention(query, key, value, bias=None, mask=None, *, mesh, axis_name: 
         back) is applied here; a training pipeline would feed tokens already in layout order.
       batch_axis, head_axis: optional further mesh axes splitting batch / kv heads.
       backend: ``"auto"``/``"blockwise"`` -- each step's block is computed by
-        :func:`block_state` (it needs the blocks' global positions for the masks).
-      is_causal, local_window_size, query_seq_lengths, key_value_seq_lengths, segment_ids,
-        scale, logits_soft_cap: as :func:`flashlab.reference.naive_attention`. Dense
-        ``bias``/``mask`` are rejected (O(N²) per device).
+        :func:`flashlab.distributed.block_state` (it needs the blocks' global positions for
+        the masks).
+      is_causal, local_window_size, query_seq_lengths, key_value_seq_lengths: as
+        :func:`flashlab.reference.naive_attention`.
+      segment_ids, scale, logits_soft_cap: as :func:`flashlab.reference.naive_attention`.
+        Dense ``bias``/``mask`` are rejected (O(N²) per device).
 
     Each of the ``P`` steps: send the held K/V block to the next device (``ppermute``), compute
     the state of (local queries, held block) unless ``block_maybe_visible`` rules it out, and

@@ -35,13 +35,15 @@ __all__ = ["AttentionSpec", "validate", "structural_visible", "block_maybe_visib
 class AttentionSpec:
     """A validated attention request: static facts plus the mask/bias arrays.
 
-    Array fields (pytree leaves, may be ``None``):
+    Array fields (pytree leaves, may be ``None``)::
+
       bias            float  [B or 1, Hq or 1, Tq, Tk]
       mask            bool   [B or 1, Hq or 1, Tq, Tk]   True = visible
       q_lengths       int32  [B]      valid query tokens per batch row
       kv_lengths      int32  [B]      valid key tokens per batch row
       q_segment_ids   int32  [B, Tq]
       kv_segment_ids  int32  [B, Tk]
+
     Static fields: shapes, dtype, ``scale``, ``is_causal``, ``window`` (left, right) and
     ``soft_cap``. ``window`` sides may be ``None`` meaning unbounded on that side.
     """

@@ -207,3 +207,36 @@ def test_flax_adapter_refuses_dropout_and_bad_mask():
         fn(q, k, v, mask=np.ones((2, 1, 6, 5), bool))
     with pytest.raises(ValueError, match="mask: heads must be 1 or 2"):
         fn(q, k, v, mask=np.ones((2, 3, 6, 6), bool))
+
+
+def test_flax_adapter_padding_gradients_on_valid_rows():
+    """With a padding mask, rows that see keys match Flax's default in value and gradient
+    (the padded rows differ on purpose: zeros here, mean(V) in Flax; the loss skips them)."""
+    from flax import nnx
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((2, 6, 8)), jnp.float32)
+    valid = jnp.asarray([[1] * 6, [1] * 4 + [0] * 2])
+    mask = nnx.make_attention_mask(valid, valid)                       # [2, 1, 6, 6]
+    keep = valid[..., None].astype(jnp.float32)                        # [2, 6, 1]
+
+    def loss(model, x):
+        return ((model(x, mask=mask, deterministic=True) * keep) ** 2).sum()
+
+    ours, theirs = _mha(as_flax_attention_fn()), _mha(None)
+    ga, gb = nnx.grad(loss, argnums=(0, 1))(ours, x), nnx.grad(loss, argnums=(0, 1))(theirs, x)
+    for la, lb in zip(jax.tree.leaves(ga), jax.tree.leaves(gb)):
+        np.testing.assert_allclose(la, lb, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["reference", "tiled"])
+def test_flax_adapter_passes_segment_ids(backend):
+    """``segment_ids=`` (beyond Flax's signature) reaches flashlab.attention unchanged,
+    also with extra leading batch dims."""
+    rng = np.random.default_rng(4)
+    q, k, v = random_qkv(rng, 2, 8, 8, 2, 2, 8)
+    seg = np.array([[1, 1, 1, 2, 2, 2, 2, 0], [1, 1, 1, 1, 1, 1, 2, 2]], np.int32)
+    fn = as_flax_attention_fn(backend=backend)
+    want = attention(q, k, v, is_causal=True, segment_ids=seg, backend="reference")
+    np.testing.assert_allclose(fn(q, k, v, is_causal=True, segment_ids=seg), want, atol=2e-6)
+    got = fn(q[None], k[None], v[None], is_causal=True, segment_ids=seg[None])   # [1, 2, ...]
+    np.testing.assert_allclose(got[0], want, atol=2e-6)

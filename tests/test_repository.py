@@ -89,3 +89,20 @@ def test_readme_states_the_supported_jax_range():
     (jax_dep,) = [d for d in deps if d.startswith("jax")]
     rng = jax_dep.removeprefix("jax").replace(" ", "")
     assert f"`{rng}`" in (ROOT / "README.md").read_text(), f"README must state JAX {rng}"
+
+
+def test_every_public_callable_is_on_the_api_page():
+    """``book/api.md`` documents (autodoc) every function/class of ``flashlab.__all__`` and of
+    ``flashlab.models.__all__``, and the page is in the book."""
+    import flashlab
+    page = (ROOT / "book" / "api.md").read_text()
+    assert "file: api" in (ROOT / "book" / "_toc.yml").read_text()
+    missing = [n for n in flashlab.__all__
+               if callable(getattr(flashlab, n))
+               and not re.search(rf"^\.\. auto(function|class):: flashlab\.{n}$", page, re.M)]
+    assert not missing, f"not on book/api.md: {missing}"
+    pytest.importorskip("flax")
+    import flashlab.models as models
+    missing = [n for n in models.__all__ if callable(getattr(models, n))
+               and not re.search(rf"^\.\. auto(function|class):: flashlab\.models\.{n}$", page, re.M)]
+    assert not missing, f"not on book/api.md: {missing}"

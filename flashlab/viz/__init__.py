@@ -6,6 +6,7 @@ from .online_softmax import online_softmax_figure
 from .tiled import traffic_figure
 from .naive import naive_scaling_figure, score_matrix_figure
 from .pipeline import block_skipping_figure, pipeline_residency_figure
+from .reuse import backend_loss_figure, long_document_figure, packing_figure
 from .ring import comm_model_figure, load_balance_figure, ring_steps_figure
 from .traffic import (explorer_figure, roofline_figure, tile_schedule_figure,
                       traffic_vs_block_size_figure, traffic_vs_seq_len_figure)
@@ -15,4 +16,5 @@ __all__ = ["naive_scaling_figure", "score_matrix_figure", "bench_figure", "ring_
            "block_skipping_figure", "traffic_vs_seq_len_figure", "traffic_vs_block_size_figure",
            "roofline_figure", "tile_schedule_figure", "explorer_figure",
            "online_softmax_figure", "traffic_figure", "backward_traffic_figure",
-           "backward_tile_map_figure", "loss_curves_figure", "vmem_vs_seq_len"]
+           "backward_tile_map_figure", "loss_curves_figure", "vmem_vs_seq_len",
+           "packing_figure", "backend_loss_figure", "long_document_figure"]

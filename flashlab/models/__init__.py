@@ -1,0 +1,23 @@
+"""A small document model that reuses flashlab's attention (chapter 11).
+
+- :mod:`~flashlab.models.corpus`: synthetic documents whose tokens are labelled "has the key
+  token appeared so far in this document?", generated from a seed.
+- :mod:`~flashlab.models.packing`: documents packed into fixed rows with segment ids and
+  in-document positions (:func:`pack`), or padded one per row (:func:`pad`).
+- :mod:`~flashlab.models.transformer`: :class:`DocumentModel`, a ``flax.nnx`` transformer whose
+  attention is :func:`flashlab.as_flax_attention_fn` for any backend.
+- :mod:`~flashlab.models.training`: :func:`train` (plain Adam, tqdm progress).
+- :mod:`~flashlab.models.memory`: peak memory of a long-document forward in a child process
+  under an address-space cap.
+
+Needs ``flax`` (``pip install "flashlab[flax]"``).
+"""
+from .corpus import KEY, PAD, key_seen, make_documents
+from .memory import forward_memories, forward_memory
+from .packing import Batch, pack, pad, unpack
+from .training import TrainConfig, train, train_model
+from .transformer import DocumentModel, ModelConfig
+
+__all__ = ["KEY", "PAD", "key_seen", "make_documents", "Batch", "pack", "pad", "unpack",
+           "ModelConfig", "DocumentModel", "TrainConfig", "train", "train_model", "forward_memory",
+           "forward_memories"]
