@@ -263,7 +263,7 @@ def visit_ranges(maybe, full, *, all_masked=False):
         lo, hi = int(vis[0]), int(vis[-1]) + 1
         f = np.flatnonzero(full[r])
         if all_masked or not len(f) or not full[r, f[0]:f[-1] + 1].all():
-            flo = fhi = hi
+            flo = fhi = lo          # all in the last loop: causal needs no first loop at all
         else:
             flo, fhi = int(f[0]), int(f[-1]) + 1
         out[:, r] = lo, flo, fhi, hi
@@ -290,20 +290,29 @@ def _bounds(ranges, r, *, row_len, row_block, col_len, col_block):
     return lo, flo, fhi, hi
 
 
-def _three_loops(bounds, masked_body, unmasked_body, carry):
+def _three_loops(bounds, used, masked_body, unmasked_body, carry):
+    # A loop whose range is empty for every row is not emitted at all (less to compile).
     lo, flo, fhi, hi = bounds
-    carry = jax.lax.fori_loop(lo, flo, masked_body, carry)
-    carry = jax.lax.fori_loop(flo, fhi, unmasked_body, carry)
-    return jax.lax.fori_loop(fhi, hi, masked_body, carry)
+    if used[0]:
+        carry = jax.lax.fori_loop(lo, flo, masked_body, carry)
+    if used[1]:
+        carry = jax.lax.fori_loop(flo, fhi, unmasked_body, carry)
+    if used[2]:
+        carry = jax.lax.fori_loop(fhi, hi, masked_body, carry)
+    return carry
 
 
 def _tables(cfg: _Config, aux: _Aux, *, transposed: bool):
+    """``(ranges [4, R] int32 array, used)``: which of the three loops any row needs."""
     maybe, full, _, _ = block_tables(cfg.T, cfg.S, cfg.bq, cfg.bk, is_causal=cfg.is_causal,
                                      window=cfg.window)
     if transposed:
         maybe, full = maybe.T, full.T
     dense = aux.mask is not None or aux.q_seg is not None
-    return jnp.asarray(visit_ranges(maybe, full, all_masked=dense))
+    lo, flo, fhi, hi = r = visit_ranges(maybe, full, all_masked=dense)
+    lengths = aux.q_lengths is not None or aux.kv_lengths is not None   # may move fhi down
+    used = (bool((flo > lo).any()), bool((fhi > flo).any()), bool((hi > fhi).any()) or lengths)
+    return jnp.asarray(r), used
 
 
 def _rows(x5, cfg: _Config, transposed: bool):
@@ -388,7 +397,7 @@ def _forward(cfg: _Config, q4, k3, v3, bias5, aux: _Aux):
     """``(out [BK, G, Tp, d_v] float32, lse [BK, G, Tp] float32)``."""
     BK, G, Tp, _ = q4.shape
     Hv = v3.shape[-1]
-    ranges = _tables(cfg, aux, transposed=False)                    # [4, Tr]
+    ranges, used = _tables(cfg, aux, transposed=False)              # [4, Tr]
     qs = _prescale(cfg, q4)
 
     def q_block(i):
@@ -405,7 +414,7 @@ def _forward(cfg: _Config, q4, k3, v3, bias5, aux: _Aux):
 
         bounds = _bounds(ranges, i, row_len=aux.q_lengths, row_block=cfg.bq,
                          col_len=aux.kv_lengths, col_block=cfg.bk)
-        state = _three_loops(bounds, kv_step(True), kv_step(False),
+        state = _three_loops(bounds, used, kv_step(True), kv_step(False),
                              osm.init((BK, G * cfg.bq), Hv))
         out, lse = osm.finalize(state)
         return out.reshape(BK, G, cfg.bq, Hv), lse.reshape(BK, G, cfg.bq)
@@ -420,7 +429,7 @@ def _backward(cfg: _Config, q4, k3, v3, bias5, aux: _Aux, out4, lse3, dout4, dls
     BK, G, Tp, H = q4.shape
     Sp, Hv = k3.shape[1], v3.shape[-1]
     f32 = jnp.float32
-    ranges = _tables(cfg, aux, transposed=True)                     # [4, Tc]
+    ranges, used = _tables(cfg, aux, transposed=True)               # [4, Tc]
     lowp = jnp.dtype(q4.dtype).itemsize < 4
     mm_dtype = q4.dtype if lowp else f32          # dtype of P, dS fed to the matmuls
     qs = _prescale(cfg, q4)
@@ -473,7 +482,7 @@ def _backward(cfg: _Config, q4, k3, v3, bias5, aux: _Aux, out4, lse3, dout4, dls
         bounds = _bounds(ranges, j, row_len=aux.kv_lengths, row_block=cfg.bk,
                          col_len=aux.q_lengths, col_block=cfg.bq)
         zeros = (jnp.zeros((BK, cfg.bk, H), f32), jnp.zeros((BK, cfg.bk, Hv), f32))
-        dq, dbias, dk, dv = _three_loops(bounds, q_step(True), q_step(False),
+        dq, dbias, dk, dv = _three_loops(bounds, used, q_step(True), q_step(False),
                                          (dq, dbias, *zeros))
         return (dq, dbias), (dk, dv)
 

@@ -183,13 +183,14 @@ def test_only_edge_tiles_are_masked():
     maybe, full, _, _ = block_tables(64, 64, 16, 16, is_causal=True)
     lo, flo, fhi, hi = visit_ranges(maybe, full)
     assert lo.tolist() == [0] * 4 and hi.tolist() == [1, 2, 3, 4]
-    assert flo.tolist() == [1, 0, 0, 0] and fhi.tolist() == [1, 1, 2, 3]   # row 0: no full tile
+    assert flo.tolist() == [0] * 4 and fhi.tolist() == [0, 1, 2, 3]       # no first loop
     lo, flo, fhi, hi = visit_ranges(maybe.T, full.T)          # the backward walks kv blocks
-    assert lo.tolist() == [0, 1, 2, 3] and flo.tolist() == [1, 2, 3, 4] and hi.tolist() == [4] * 4
+    assert lo.tolist() == [0, 1, 2, 3] and hi.tolist() == [4] * 4
+    assert flo.tolist() == [1, 2, 3, 3] and fhi.tolist() == [4, 4, 4, 3]
     maybe, full, _, _ = block_tables(64, 64, 16, 16, window=(40, 0))
     lo, flo, fhi, hi = visit_ranges(maybe, full)
     masked = (flo - lo) + (hi - fhi)
     assert masked.tolist() == [1, 1, 2, 3] and (fhi - flo).tolist() == [0, 1, 1, 1]
     assert (masked + fhi - flo).tolist() == maybe.sum(1).tolist()      # every visible tile
     lo, flo, fhi, hi = visit_ranges(maybe, full, all_masked=True)
-    assert (flo == hi).all() and (fhi == hi).all()
+    assert (flo == lo).all() and (fhi == lo).all()
