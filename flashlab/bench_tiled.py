@@ -1,7 +1,7 @@
 """``python -m flashlab bench tiled``: the tiled rung against naive and XLA attention on CPU.
 
 Every configuration runs in a fresh subprocess, so that its peak resident memory (the child
-reports its own ``ru_maxrss``) belongs to that configuration alone, and ratios are taken
+reports its own ``VmHWM``) belongs to that configuration alone, and ratios are taken
 between numbers measured in the same run. fp32, batch 1, 8 heads, head_dim 64.
 
 Targets (2-core x86 CPU): forward at N=8192 >= 5x naive; N=16384 >= 8x naive and peak RSS
@@ -21,23 +21,16 @@ import datetime
 import json
 import os
 import platform
-import resource
 import subprocess
 import sys
 import time
 
-__all__ = ["main", "run_child", "mem_available_bytes", "tile_matmuls_only"]
+from .measure import host_memory_available_bytes
+
+__all__ = ["main", "run_child", "tile_matmuls_only"]
 
 HEADS, HEAD_DIM, BATCH = 8, 64, 1
 GB = 1e9
-
-
-def mem_available_bytes() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 # ----------------------------------------------------------------------------- child side
@@ -122,7 +115,8 @@ def tile_matmuls_only(q, k, v, block_q: int | None = None, block_k: int | None =
 def _child_main(cfg_json: str) -> int:
     cfg = json.loads(cfg_json)
     res = run_child(cfg)
-    res["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    from flashlab.measure import peak_rss_bytes
+    res["peak_rss_bytes"] = peak_rss_bytes()
     print("RESULT " + json.dumps(res), flush=True)
     return 0
 
@@ -193,7 +187,7 @@ def run(quick: bool = False, progress=print) -> dict:
     cfgs = plan(quick)
     for idx, c in enumerate(cfgs, 1):
         need = _need_bytes(c)
-        avail = mem_available_bytes()
+        avail = host_memory_available_bytes()
         if avail < need:
             r = dict(c, skipped=f"MemAvailable {avail / GB:.1f} GB < {need / GB:.1f} GB needed")
         else:

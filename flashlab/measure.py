@@ -12,7 +12,8 @@ from typing import Callable
 
 import jax
 
-__all__ = ["time_fn", "compiled_memory_bytes", "device_memory_bytes"]
+__all__ = ["time_fn", "compiled_memory_bytes", "device_memory_bytes", "host_memory_available_bytes",
+           "peak_rss_bytes"]
 
 
 def time_fn(fn: Callable, *args, repeats: int = 5, warmup: int = 1, **kwargs) -> float:
@@ -49,6 +50,11 @@ def device_memory_bytes() -> int:
     stats = getattr(dev, "memory_stats", lambda: None)()
     if stats and "bytes_limit" in stats:
         return int(stats["bytes_limit"])
+    return host_memory_available_bytes()
+
+
+def host_memory_available_bytes() -> int:
+    """The host's ``MemAvailable`` (Linux), else its physical memory, in bytes."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -57,3 +63,12 @@ def device_memory_bytes() -> int:
     except OSError:
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size (``VmHWM``), in bytes (Linux)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("VmHWM not found in /proc/self/status (Linux only)")

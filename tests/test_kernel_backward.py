@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 
-from cases import MASK_OPTIONS, mask_kwargs
+from cases import MASK_OPTIONS, draw_shape, mask_kwargs
 from conftest import random_qkv
 from flashlab import device, traffic
 from flashlab.kernels import _pallas_compat as compat
@@ -101,12 +101,7 @@ def test_every_mask_option(option):
 @settings(deadline=None, max_examples=8)
 @given(data=st.data())
 def test_hypothesis_breadth(data):
-    B = data.draw(st.integers(1, 2), "B")
-    T = data.draw(st.integers(1, 140), "T")
-    S = data.draw(st.integers(1, 140), "S") if data.draw(st.booleans(), "cross") else T
-    K = data.draw(st.sampled_from([1, 2]), "K")
-    N = K * data.draw(st.sampled_from([1, 2]), "G")
-    H = data.draw(st.sampled_from([64, 80, 128]), "H")
+    B, T, S, N, K, H = draw_shape(data, [64, 80, 128])
     option = data.draw(st.sampled_from(MASK_OPTIONS), "option")
     rng = np.random.default_rng(data.draw(st.integers(0, 2**16), "seed"))
     kw = mask_kwargs(option, rng, B, T, S, N)

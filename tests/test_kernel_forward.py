@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from cases import MASK_OPTIONS, mask_kwargs
+from cases import MASK_OPTIONS, draw_shape, mask_kwargs
 from conftest import random_qkv
 from flashlab import device
 from flashlab.kernels import _pallas_compat as compat
@@ -70,12 +70,7 @@ def test_value_head_dim_differs():
 @settings(deadline=None, max_examples=20)
 @given(data=st.data())
 def test_hypothesis_breadth(data):
-    B = data.draw(st.integers(1, 2), "B")
-    T = data.draw(st.integers(1, 140), "T")
-    S = data.draw(st.integers(1, 140), "S") if data.draw(st.booleans(), "cross") else T
-    K = data.draw(st.sampled_from([1, 2]), "K")
-    N = K * data.draw(st.sampled_from([1, 2]), "G")
-    H = data.draw(st.sampled_from([64, 80, 96, 128, 256]), "H")
+    B, T, S, N, K, H = draw_shape(data, [64, 80, 96, 128, 256])
     dtype = data.draw(st.sampled_from([np.float32, jnp.bfloat16]), "dtype")
     option = data.draw(st.sampled_from(MASK_OPTIONS), "option")
     rng = np.random.default_rng(data.draw(st.integers(0, 2**16), "seed"))

@@ -162,39 +162,17 @@ def dq_grid_spec(cfg: ForwardConfig, with_dbias: bool = True) -> BackwardGridSpe
     The dS output ``[B, N, T, S]`` float32 exists only with a bias that is differentiated
     (``with_dbias``; a constant bias, e.g. ALiBi, gets none).
     """
-    G = cfg.group_size
     bq, bk = cfg.block_q, cfg.block_k
     B, N, Tp, Sp, Dp = cfg.batch, cfg.num_heads, cfg.q_len_p, cfg.kv_len_p, cfg.head_dim_p
-
-    def kv_block(b, i, j, q_lengths, kv_lengths):
-        lo, hi = fwd._kv_range(cfg, b, i, q_lengths, kv_lengths)
-        return blk.clamp_kv_block(j, lo, hi, cfg.num_kv_blocks)
-
-    def q_map(b, h, i, j, q_lengths, kv_lengths):
-        return (b, h, i, 0)
-
-    def kv_map(b, h, i, j, q_lengths, kv_lengths):
-        return (b, blk.div_nonneg(h, G), kv_block(b, i, j, q_lengths, kv_lengths), 0)
-
-    def scores_map_for(bcast):
-        def scores_map(b, h, i, j, q_lengths, kv_lengths):
-            return (0 if bcast[0] else b, 0 if bcast[1] else h, i,
-                    kv_block(b, i, j, q_lengths, kv_lengths))
-        return scores_map
-
-    def qseg_map(b, h, i, j, q_lengths, kv_lengths):
-        return (b, i, 0)
-
-    def kvseg_map(b, h, i, j, q_lengths, kv_lengths):
-        return (b, 0, kv_block(b, i, j, q_lengths, kv_lengths))
+    maps = fwd.index_maps(cfg)                         # the forward's grid and maps
 
     def ds_map(b, h, i, j, q_lengths, kv_lengths):     # every block written (zeros if skipped)
         return (b, h, i, j)
 
-    names, specs, shapes = _q_side_operands(cfg, q_map, kv_map, scores_map_for, qseg_map,
-                                            kvseg_map)
+    names, specs, shapes = _q_side_operands(cfg, maps.q, maps.kv, maps.scores_for, maps.q_seg,
+                                            maps.kv_seg)
     sds = jax.ShapeDtypeStruct
-    out_names, out_specs = ["dq"], [pl.BlockSpec((None, None, bq, Dp), q_map)]
+    out_names, out_specs = ["dq"], [pl.BlockSpec((None, None, bq, Dp), maps.q)]
     out_shapes = [sds((B, N, Tp, Dp), cfg.dtype)]
     if cfg.bias_bcast is not None and with_dbias:
         out_names.append("ds")

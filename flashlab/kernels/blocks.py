@@ -238,15 +238,25 @@ def kv_block_range(i, q_len, kv_len, *, block_q, block_k, num_kv_blocks, is_caus
             last = _min(last, q_last + right)
         if left is not None:
             first = _max(0, q_start - left)
-    # A q block entirely past q_len sees nothing (-1 keeps the division non-negative).
-    last = _max(last, -1)
-    if _is_static(q_start, q_len):
-        last = last if q_start < q_len else -1
-    else:
-        last = jnp.where(q_start < q_len, last, -1)
-    lo = div_nonneg(first, block_k)
-    hi = div_nonneg(last + block_k, block_k) - 1              # floor(last / B_c), with last >= -1
+    # A q block entirely past q_len sees nothing.
     del num_kv_blocks                                  # lo may exceed it: then hi < lo
+    return _block_span(first, last, _less(q_start, q_len), block_k)
+
+
+def _less(a, b):
+    return bool(a < b) if _is_static(a, b) else a < b
+
+
+def _block_span(first, last, alive, block):
+    """Blocks ``lo .. hi`` (inclusive) covering positions ``first .. last``; none unless ``alive``.
+
+    ``last`` is clamped to ``>= -1`` so the division stays non-negative; ``hi < lo`` = empty.
+    Python ints (``alive`` a bool) or traced int32 (``alive`` a traced bool).
+    """
+    last = _max(last, -1)
+    last = (last if alive else -1) if isinstance(alive, bool) else jnp.where(alive, last, -1)
+    lo = div_nonneg(first, block)
+    hi = div_nonneg(last + block, block) - 1                  # floor(last / block), last >= -1
     return lo, hi
 
 
@@ -300,15 +310,9 @@ def q_block_range(j, q_len, kv_len, *, block_q, block_k, num_q_blocks, is_causal
             last = _min(last, k_last + left)
         if right is not None:
             first = _max(first, k_start - right)
-    last = _max(last, -1)
-    if _is_static(k_start, kv_len):
-        last = last if k_start < kv_len else -1
-    else:
-        last = jnp.where(k_start < kv_len, last, -1)
-    lo = div_nonneg(first, block_q)
-    hi = div_nonneg(last + block_q, block_q) - 1              # floor(last / B_r), last >= -1
+    # A kv block that starts past kv_len is seen by nobody.
     del num_q_blocks                                   # lo may exceed it: then hi < lo
-    return lo, hi
+    return _block_span(first, last, _less(k_start, kv_len), block_q)
 
 
 def backward_vmem_bytes(block_q: int, block_k: int, head_dim: int, dtype, *,

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +32,7 @@ from . import _pallas_compat as compat
 from . import blocks as blk
 from ._pallas_compat import pl
 
-__all__ = ["ForwardConfig", "ForwardGridSpec", "make_config", "forward_grid_spec",
+__all__ = ["ForwardConfig", "ForwardGridSpec", "make_config", "forward_grid_spec", "index_maps",
            "flash_attention", "flash_attention_from_spec", "flash_attention_forward",
            "SUPPORTED_DTYPES"]
 
@@ -209,23 +209,30 @@ def mask_operands(cfg, scores_map_for, q_seg_map, kv_seg_map):
     return names, specs, shapes
 
 
-def forward_grid_spec(cfg: ForwardConfig) -> ForwardGridSpec:
-    """Build the grid, BlockSpecs (with their index maps) and scratch of the forward kernel."""
-    B, N, G = cfg.batch, cfg.num_heads, cfg.group_size
-    bq, bk = cfg.block_q, cfg.block_k
-    Tp, Sp, Dp, Dvp = cfg.q_len_p, cfg.kv_len_p, cfg.head_dim_p, cfg.head_dim_v_p
+class IndexMaps(NamedTuple):
+    """The index maps of the grid ``(b, h, i, j)`` (the forward's, and the dQ kernel's)."""
+    q: Callable            # Q_i, O_i (and dO_i, dQ_i): fixed over j
+    kv: Callable           # K_j, V_j of kv head h // G, clamped to the visible range
+    scores_for: Callable   # bcast -> the map of a bias/mask blocked like S_ij
+    q_seg: Callable
+    kv_seg: Callable
+
+
+def index_maps(cfg: ForwardConfig) -> IndexMaps:
+    """Index maps for the grid ``(b, h, i, j)``; a skipped step re-maps to a fetched block."""
+    G = cfg.group_size
 
     def kv_block(b, i, j, q_lengths, kv_lengths):
         lo, hi = _kv_range(cfg, b, i, q_lengths, kv_lengths)
         return blk.clamp_kv_block(j, lo, hi, cfg.num_kv_blocks)
 
-    def q_index_map(b, h, i, j, q_lengths, kv_lengths):       # Q_i, O_i: fixed over j
+    def q_index_map(b, h, i, j, q_lengths, kv_lengths):
         return (b, h, i, 0)
 
-    def kv_index_map(b, h, i, j, q_lengths, kv_lengths):      # K_j, V_j of kv head h // G
+    def kv_index_map(b, h, i, j, q_lengths, kv_lengths):
         return (b, blk.div_nonneg(h, G), kv_block(b, i, j, q_lengths, kv_lengths), 0)
 
-    def scores_index_map_for(bcast):                          # bias/mask blocked like S_ij
+    def scores_index_map_for(bcast):
         def scores_index_map(b, h, i, j, q_lengths, kv_lengths):
             return (0 if bcast[0] else b, 0 if bcast[1] else h, i,
                     kv_block(b, i, j, q_lengths, kv_lengths))
@@ -237,6 +244,18 @@ def forward_grid_spec(cfg: ForwardConfig) -> ForwardGridSpec:
     def kv_seg_index_map(b, h, i, j, q_lengths, kv_lengths):
         return (b, 0, kv_block(b, i, j, q_lengths, kv_lengths))
 
+    return IndexMaps(q_index_map, kv_index_map, scores_index_map_for, q_seg_index_map,
+                     kv_seg_index_map)
+
+
+def forward_grid_spec(cfg: ForwardConfig) -> ForwardGridSpec:
+    """Build the grid, BlockSpecs (with their index maps) and scratch of the forward kernel."""
+    B, N = cfg.batch, cfg.num_heads
+    bq, bk = cfg.block_q, cfg.block_k
+    Tp, Sp, Dp, Dvp = cfg.q_len_p, cfg.kv_len_p, cfg.head_dim_p, cfg.head_dim_v_p
+    maps = index_maps(cfg)
+    q_index_map, kv_index_map = maps.q, maps.kv
+
     sds = jax.ShapeDtypeStruct
     names = ["q", "k", "v"]
     specs = [pl.BlockSpec((None, None, bq, Dp), q_index_map),
@@ -244,7 +263,7 @@ def forward_grid_spec(cfg: ForwardConfig) -> ForwardGridSpec:
              pl.BlockSpec((None, None, bk, Dvp), kv_index_map)]
     shapes = [sds((B, N, Tp, Dp), cfg.dtype), sds((B, cfg.num_kv_heads, Sp, Dp), cfg.dtype),
               sds((B, cfg.num_kv_heads, Sp, Dvp), cfg.dtype)]
-    n2, s2, sh2 = mask_operands(cfg, scores_index_map_for, q_seg_index_map, kv_seg_index_map)
+    n2, s2, sh2 = mask_operands(cfg, maps.scores_for, maps.q_seg, maps.kv_seg)
     names, specs, shapes = names + n2, specs + s2, shapes + sh2
     out_names = ["o"]
     out_specs = [pl.BlockSpec((None, None, bq, Dvp), q_index_map)]

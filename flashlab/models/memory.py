@@ -17,16 +17,7 @@ import subprocess
 import sys
 import time
 
-__all__ = ["forward_memory", "forward_memories", "peak_rss_bytes"]
-
-
-def peak_rss_bytes() -> int:
-    """This process's peak resident set size (``VmHWM``), in bytes (Linux)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("VmHWM not found in /proc/self/status (Linux only)")
+__all__ = ["forward_memory", "forward_memories"]
 
 
 def _launch(backend, seq_len, cap_bytes, model_cfg, attention, seed):
@@ -104,7 +95,8 @@ def _child(argv=None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--config", required=True)
     a = p.parse_args(argv)
-    resource.setrlimit(resource.RLIMIT_AS, (a.cap_bytes, a.cap_bytes))
+    resource.setrlimit(resource.RLIMIT_AS, (a.cap_bytes, a.cap_bytes))   # before jax loads
+    from ..measure import peak_rss_bytes
     try:
         import jax
         import numpy as np
