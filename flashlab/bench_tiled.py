@@ -86,9 +86,10 @@ def run_child(cfg: dict) -> dict:
 
 def tile_matmuls_only(q, k, v, block_q: int | None = None, block_k: int | None = None):
     """The tiled forward's loop with its two matmuls per tile and nothing else (no softmax,
-    no masks): a ceiling for the tiled rung on this machine, not attention.
+    no masks), one head at a time as the tiled rung runs: a ceiling for the tiled rung on this
+    machine, not attention.
 
-    ``q, k, v [B, N, H, d]`` -> ``[N/block_q, B·H, block_q, d]`` (sums of ``S·V``).
+    ``q, k, v [B, N, H, d]`` -> ``[B·H, N/block_q, block_q, d]`` (sums of ``S·V``).
     """
     import jax
     import jax.numpy as jnp
@@ -99,17 +100,20 @@ def tile_matmuls_only(q, k, v, block_q: int | None = None, block_k: int | None =
     B, T, H, d = q.shape
     q3, k3, v3 = (x.transpose(0, 2, 1, 3).reshape(B * H, T, d) for x in (q, k, v))
 
-    def q_block(i):
-        q_blk = jax.lax.dynamic_slice_in_dim(q3, i * bq, bq, 1)          # [BH, bq, d]
+    def head(xs):
+        qh, kh, vh = xs                                                   # [T, d] each
 
-        def body(j, acc):
-            k_blk = jax.lax.dynamic_slice_in_dim(k3, j * bk, bk, 1)      # [BH, bk, d]
-            v_blk = jax.lax.dynamic_slice_in_dim(v3, j * bk, bk, 1)
-            s = jnp.einsum("brd,bsd->brs", q_blk, k_blk)                 # [BH, bq, bk]
-            return acc + jnp.einsum("brs,bsd->brd", s, v_blk)
-        return jax.lax.fori_loop(0, T // bk, body, jnp.zeros((B * H, bq, d), q.dtype))
+        def q_block(i):
+            q_blk = jax.lax.dynamic_slice_in_dim(qh, i * bq, bq, 0)      # [bq, d]
 
-    return jax.lax.map(q_block, jnp.arange(T // bq))
+            def body(j, acc):
+                k_blk = jax.lax.dynamic_slice_in_dim(kh, j * bk, bk, 0)  # [bk, d]
+                v_blk = jax.lax.dynamic_slice_in_dim(vh, j * bk, bk, 0)
+                return acc + (q_blk @ k_blk.T) @ v_blk                    # [bq, bk] @ [bk, d]
+            return jax.lax.fori_loop(0, T // bk, body, jnp.zeros((bq, d), q.dtype))
+        return jax.lax.map(q_block, jnp.arange(T // bq))
+
+    return jax.lax.map(head, (q3, k3, v3))
 
 
 def _child_main(cfg_json: str) -> int:

@@ -13,9 +13,10 @@ with ``D_i = rowsum(dO_i ∘ O_i)``::
     dV_j += P_ijᵀ dO_i        dP_ij = dO_i V_jᵀ        dS_ij = P_ij ∘ (dP_ij − D_i)
     dQ_i += scale · dS_ij K_j                           dK_j += scale · dS_ijᵀ Q_i
 
-Inside a tile every (batch, kv head, query head of the group) is computed at once: a query
-block is laid out ``[B·K, G·block_q, d]`` so GQA reads each K/V block once and never repeats
-it in memory, and each product is one batched matmul.
+The loops run one (batch, kv head) at a time, so a score tile stays in a core's L2 cache
+between its matmul and the softmax passes over it. A query block is laid out
+``[G·block_q, d]``: the G query heads of a GQA group are extra rows reading the same K/V
+block, so K/V are read once and never repeated in memory, and each product is one matmul.
 
 Speed on CPU comes from big tiles and from doing no per-element mask work in tiles that are
 fully visible: each query block (each key block, in the backward) walks three static ranges,
@@ -504,20 +505,73 @@ def _bias_grad(ds, cfg, bias_shape):
     summed over the dimensions the bias broadcasts over."""
     ds = ds.reshape(cfg.B, cfg.K, cfg.bk, cfg.G, cfg.bq)
     ds = jnp.moveaxis(ds, 2, 4)                                      # [B, K, G, bq, bk]
-    if bias_shape[1] == 1:
-        ds = ds.sum(axis=(1, 2), keepdims=True)
-    if bias_shape[0] == 1:
-        ds = ds.sum(axis=0, keepdims=True)
-    return ds
+    axes = tuple(a for a in range(3) if bias_shape[a] == 1 and ds.shape[a] > 1)
+    return ds.sum(axis=axes, keepdims=True) if axes else ds
+
+
+# ------------------------------------------------------------- one (batch, kv head) at a time
+# The loops above are written for any B·K, but they run on one (batch, kv head) at a time:
+# a fp32 tile [G·bq, bk] is 1 MiB at the default 512×512, so it stays in a core's L2 between
+# the matmul that writes it and the softmax passes that read it. Batching all heads into one
+# [B·K, G·bq, bk] tile (8 MiB at 8 heads) sent every pass to L3 and cost up to a third of the
+# forward's time on a 2-core CPU (python -m flashlab bench tiled).
+
+def _head_slice(cfg: _Config, h, bias5, aux: _Aux):
+    """``(cfg, bias5, aux)`` of head ``h`` of ``B·K``: batch ``h // K``, kv head ``h % K``."""
+    b, k = h // cfg.K, h % cfg.K
+
+    def five(x):                     # [B|1, K|1, G|1, Tp, Sp] -> [1, 1, G|1, Tp, Sp]
+        if x is None:
+            return None
+        if x.shape[0] > 1:
+            x = jax.lax.dynamic_slice_in_dim(x, b, 1, 0)
+        return jax.lax.dynamic_slice_in_dim(x, k, 1, 1) if x.shape[1] > 1 else x
+
+    batch = lambda x: None if x is None else jax.lax.dynamic_slice_in_dim(x, b, 1, 0)
+    aux1 = _Aux(mask=five(aux.mask), q_lengths=batch(aux.q_lengths),
+                kv_lengths=batch(aux.kv_lengths), q_seg=batch(aux.q_seg),
+                kv_seg=batch(aux.kv_seg))
+    return dataclasses.replace(cfg, B=1, K=1), five(bias5), aux1
+
+
+def _forward_by_head(cfg: _Config, q4, k3, v3, bias5, aux: _Aux):
+    """:func:`_forward`, one (batch, kv head) per step: ``out [BK, G, Tp, d_v]``, ``lse``."""
+    def one(xs):
+        h, q1, k1, v1 = xs
+        cfg1, bias1, aux1 = _head_slice(cfg, h, bias5, aux)
+        out, lse = _forward(cfg1, q1[None], k1[None], v1[None], bias1, aux1)
+        return out[0], lse[0]
+    return jax.lax.map(one, (jnp.arange(q4.shape[0]), q4, k3, v3))
+
+
+def _backward_by_head(cfg: _Config, q4, k3, v3, bias5, aux: _Aux, out4, lse3, dout4, dlse3):
+    """:func:`_backward`, one (batch, kv head) per step; a broadcast bias's gradient is summed
+    over the heads (and batch) that share it."""
+    def one(dbias, xs):
+        h, *rows = xs
+        cfg1, bias1, aux1 = _head_slice(cfg, h, bias5, aux)
+        q1, k1, v1, o1, lse1, do1, dlse1 = (x[None] for x in rows)
+        dq, dk, dv, db = _backward(cfg1, q1, k1, v1, bias1, aux1, o1, lse1, do1, dlse1)
+        if bias5 is not None:
+            at = (h // cfg.K if bias5.shape[0] > 1 else 0, h % cfg.K if bias5.shape[1] > 1 else 0,
+                  0, 0, 0)
+            dbias = jax.lax.dynamic_update_slice(
+                dbias, jax.lax.dynamic_slice(dbias, at, db.shape) + db, at)
+        return dbias, (dq[0], dk[0], dv[0])
+
+    db0 = jnp.zeros(()) if bias5 is None else jnp.zeros(bias5.shape, jnp.float32)
+    xs = (jnp.arange(q4.shape[0]), q4, k3, v3, out4, lse3, dout4, dlse3)
+    dbias, (dq, dk, dv) = jax.lax.scan(one, db0, xs)
+    return dq, dk, dv, (None if bias5 is None else dbias)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _flash(cfg, q4, k3, v3, bias5, aux):
-    return _forward(cfg, q4, k3, v3, bias5, aux)
+    return _forward_by_head(cfg, q4, k3, v3, bias5, aux)
 
 
 def _flash_fwd(cfg, q4, k3, v3, bias5, aux):
-    out, lse = _forward(cfg, q4, k3, v3, bias5, aux)
+    out, lse = _forward_by_head(cfg, q4, k3, v3, bias5, aux)
     # Residuals are O(N): inputs, O (in the input dtype) and lse. No N×M array survives.
     return (out, lse), (q4, k3, v3, bias5, aux, out.astype(q4.dtype), lse)
 
@@ -525,7 +579,7 @@ def _flash_fwd(cfg, q4, k3, v3, bias5, aux):
 def _flash_bwd(cfg, res, cts):
     q4, k3, v3, bias5, aux, out, lse = res
     dout, dlse = cts
-    dq, dk, dv, dbias = _backward(cfg, q4, k3, v3, bias5, aux, out, lse, dout, dlse)
+    dq, dk, dv, dbias = _backward_by_head(cfg, q4, k3, v3, bias5, aux, out, lse, dout, dlse)
     daux = jax.tree_util.tree_map(lambda a: np.zeros(a.shape, jax.dtypes.float0), aux)
     return (dq.astype(q4.dtype), dk.astype(k3.dtype), dv.astype(v3.dtype),
             None if bias5 is None else dbias.astype(bias5.dtype), daux)
