@@ -60,3 +60,20 @@ def test_tile_matmuls_probe_is_the_tiled_loops_matmuls():
                dict(kind="fwd", impl="matmuls", n=64, seconds=1.0, flops=2.0, **rss)]
     text = markdown(dict(machine="m", date="d", results=results, targets=targets(results)))
     assert "50% of the matmul rate" in text and "reaches 50% of that ceiling" in text
+
+
+def test_flop_rate_target_uses_the_interleaved_rate_run():
+    """The FLOP-rate target divides the two medians of one alternating run when there is one,
+    not rates measured minutes apart in separate processes."""
+    from flashlab.bench_tiled import markdown, run_child, targets
+    r = run_child(dict(kind="rate", impl="tiled", n=128, matmul_n=64, repeats=2))
+    assert r["seconds"] > 0 and r["matmul_seconds"] > 0 and r["matmul_flops"] == 2.0 * 64 ** 3
+    rss = dict(peak_rss_bytes=1e8)
+    results = [dict(kind="matmul", impl="-", n=64, seconds=1.0, flops=1.0, **rss),
+               dict(kind="fwd", impl="tiled", n=64, seconds=1.0, flops=1.0, **rss),
+               dict(kind="rate", impl="tiled", n=64, matmul_n=8, seconds=1.0, flops=1.0,
+                    matmul_seconds=1.0, matmul_flops=4.0, **rss)]
+    rate = next(t for t in targets(results) if "FLOP rate" in t["target"])
+    assert rate["value"] == "25%" and rate["met"] is False
+    assert "rate   matmul N=8 (alternating" in markdown(
+        dict(machine="m", date="d", results=results, targets=targets(results)))
