@@ -9,14 +9,17 @@ Targets (2-core x86 CPU): forward at N=8192 >= 5x naive; N=16384 >= 8x naive and
 FLOP rate >= 60% of this machine's fp32 matmul rate; causal <= 0.6x non-causal;
 fwd+bwd at N=4096 <= 4x the forward; peak RSS of fwd+bwd at N=8192 <= 1.5 GB.
 
-The FLOP-rate target is a ratio of two rates, and a shared machine's speed drifts by 20% or
-more over minutes; so it is measured in one process by its own configuration (``kind="rate"``),
-which alternates calls of the tiled forward and of the square matmul and divides the medians.
+The FLOP-rate and causal targets are ratios, and a shared machine's speed drifts by 20% or
+more over minutes; so they are measured in one process by their own configuration
+(``kind="rate"``), which alternates calls of the tiled forward, its causal run, the ceiling
+probe (:func:`tile_matmuls_only`, the loop's matmuls alone) and the square matmul, and
+divides the medians.
 
 GFLOP/s counts matmul FLOPs: ``4·N²·d`` per head for the forward (halved when causal),
 3.5x that for forward + backward.
 
-Options: ``--quick`` (small N, under a minute), ``--json PATH`` (write all results).
+Options: ``--quick`` (small N, under a minute), ``--sweep`` (the rate child at other block
+sizes, :data:`SWEEP_BLOCKS`), ``--json PATH`` (write all results).
 """
 from __future__ import annotations
 
@@ -90,17 +93,24 @@ def run_child(cfg: dict) -> dict:
     if kind == "fwdbwd":
         flops *= 3.5
     if kind == "rate":
-        # Alternate attention and matmul calls so machine drift hits both rates alike.
+        # Alternate the tiled forward, its causal run, the ceiling probe (the same loop's
+        # matmuls alone) and the square matmul call by call, so machine drift hits all four.
+        bq, bk = cfg.get("block_q"), cfg.get("block_k")
+        causal_f = jax.jit(lambda q, k, v: tiled_attention(
+            q, k, v, is_causal=True, block_q=bq, block_k=bk)).lower(q, k, v).compile()
+        probe = jax.jit(lambda q, k, v: tile_matmuls_only(q, k, v, bq, bk)).lower(q, k, v).compile()
         mm, a = square_matmul(cfg["matmul_n"])
-        ts, tm = [], []
+        calls = {"seconds": (f, (q, k, v)), "causal_seconds": (causal_f, (q, k, v)),
+                 "ceiling_seconds": (probe, (q, k, v)), "matmul_seconds": (mm, (a,))}
+        times = {name: [] for name in calls}
         for r in range(warmup + repeats):
-            t_attn = measure.time_fn(f, q, k, v, repeats=1, warmup=0)
-            t_mm = measure.time_fn(mm, a, repeats=1, warmup=0)
-            if r >= warmup:
-                ts.append(t_attn)
-                tm.append(t_mm)
-        return {"seconds": statistics.median(ts), "flops": flops,
-                "matmul_seconds": statistics.median(tm), "matmul_flops": 2.0 * cfg["matmul_n"] ** 3}
+            for name, (fn, args) in calls.items():
+                t_call = measure.time_fn(fn, *args, repeats=1, warmup=0)
+                if r >= warmup:
+                    times[name].append(t_call)
+        out = {name: statistics.median(ts) for name, ts in times.items()}
+        # The probe does every tile's two matmuls: the non-causal count.
+        return dict(out, flops=flops, ceiling_flops=flops, matmul_flops=2.0 * cfg["matmul_n"] ** 3)
     t = measure.time_fn(f, q, k, v, repeats=repeats, warmup=warmup)
     return {"seconds": t, "flops": flops}
 
@@ -115,10 +125,10 @@ def tile_matmuls_only(q, k, v, block_q: int | None = None, block_k: int | None =
     import jax
     import jax.numpy as jnp
 
-    from flashlab.tiled import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q
+    from flashlab.tiled import _block_sizes
 
-    bq, bk = block_q or DEFAULT_BLOCK_Q, block_k or DEFAULT_BLOCK_K
     B, T, H, d = q.shape
+    bq, bk = _block_sizes(block_q, block_k, T, T)          # the tiled rung's own choice
     q3, k3, v3 = (x.transpose(0, 2, 1, 3).reshape(B * H, T, d) for x in (q, k, v))
 
     def head(xs):
@@ -171,33 +181,42 @@ def _label(c):
     s = f"{c['kind']:6s} {c['impl']:5s} N={c['n']:<6d}"
     if c.get("causal"):
         s += " causal"
+    if c.get("block_q") is not None:
+        s += f" blocks {c['block_q']}x{c['block_k']}"
     return s
 
 
-def plan(quick: bool) -> list[dict]:
+# ``--sweep``: other (block_q, block_k) for the rate child at N=8192 (the default is 512x512).
+SWEEP_BLOCKS = ((512, 1024), (1024, 512), (1024, 1024), (2048, 512), (2048, 2048))
+
+
+def plan(quick: bool, sweep: bool = False) -> list[dict]:
     """The configurations to run (dicts understood by :func:`run_child`)."""
     if quick:
         ns, big = (512, 1024), 1024
         cfgs = [dict(kind="matmul", impl="-", n=1024)]
         for n in ns:
             cfgs += [dict(kind="fwd", impl=i, n=n) for i in ("tiled", "naive", "xla")]
-        cfgs += [dict(kind="fwd", impl="matmuls", n=big),
-                 dict(kind="rate", impl="tiled", n=big, matmul_n=1024),
-                 dict(kind="fwd", impl="tiled", n=big, causal=True),
+        cfgs += [dict(kind="rate", impl="tiled", n=big, matmul_n=1024),
                  dict(kind="fwdbwd", impl="tiled", n=big)]
+        if sweep:
+            cfgs += [dict(kind="rate", impl="tiled", n=big, matmul_n=1024, block_q=256,
+                          block_k=512)]
         return cfgs
     cfgs = [dict(kind="matmul", impl="-", n=2048)]
     for n in (512, 1024, 2048, 4096):                       # crossover xla vs tiled
         cfgs += [dict(kind="fwd", impl="tiled", n=n), dict(kind="fwd", impl="xla", n=n)]
     # Naive at N >= 8192 takes minutes per call: one timed call (compiled ahead, no warm-up).
     slow = dict(repeats=1, warmup=0)
-    cfgs += [dict(kind="fwd", impl="tiled", n=8192), dict(kind="fwd", impl="matmuls", n=8192),
+    cfgs += [dict(kind="fwd", impl="tiled", n=8192),
              dict(kind="rate", impl="tiled", n=8192, matmul_n=2048, repeats=5),
              dict(kind="fwd", impl="naive", n=8192, **slow),
-             dict(kind="fwd", impl="tiled", n=8192, causal=True),
              dict(kind="fwd", impl="tiled", n=16384),
              dict(kind="fwd", impl="naive", n=16384, **slow),
              dict(kind="fwdbwd", impl="tiled", n=4096), dict(kind="fwdbwd", impl="tiled", n=8192)]
+    if sweep:
+        cfgs += [dict(kind="rate", impl="tiled", n=8192, matmul_n=2048, block_q=bq, block_k=bk)
+                 for bq, bk in SWEEP_BLOCKS]
     return cfgs
 
 
@@ -209,9 +228,9 @@ def _need_bytes(c) -> float:
     return 2 * GB
 
 
-def run(quick: bool = False, progress=print) -> dict:
+def run(quick: bool = False, sweep: bool = False, progress=print) -> dict:
     results = []
-    cfgs = plan(quick)
+    cfgs = plan(quick, sweep)
     for idx, c in enumerate(cfgs, 1):
         need = _need_bytes(c)
         avail = host_memory_available_bytes()
@@ -279,7 +298,9 @@ def targets(results) -> list[dict]:
     add(f"fwd N={nx}: xla / tiled", ratio(t(kind="fwd", impl="xla", n=nx),
                                           t(kind="fwd", impl="tiled", n=nx)),
         ">= 2.5x", lambda x: x >= 2.5, lambda x: f"{x:.1f}x")
-    rr = _find(results, kind="rate", impl="tiled", n=mid)      # interleaved in one process
+    # The rate and causal targets come from the rate child at the default blocks, which
+    # alternates the calls they divide in one process.
+    rr = _find(results, kind="rate", impl="tiled", n=mid, block_q=None, block_k=None)
     if rr is not None:
         mm = dict(flops=rr["matmul_flops"], seconds=rr["matmul_seconds"])
     else:
@@ -288,9 +309,9 @@ def targets(results) -> list[dict]:
         None if mm is None or rr is None else
         (rr["flops"] / rr["seconds"]) / (mm["flops"] / mm["seconds"]),
         ">= 60%", lambda x: x >= 0.6, lambda x: f"{100 * x:.0f}%")
-    nc = max([r["n"] for r in results if r.get("causal") and "seconds" in r] or [mid])
-    add(f"fwd N={nc}: causal / non-causal", ratio(t(kind="fwd", impl="tiled", n=nc, causal=True),
-                                                  t(kind="fwd", impl="tiled", n=nc)),
+    rc = _find(results, kind="rate", impl="tiled", n=mid, block_q=None, block_k=None)
+    add(f"fwd N={mid}: causal / non-causal (alternating)",
+        None if rc is None else rc["causal_seconds"] / rc["seconds"],
         "<= 0.6x", lambda x: x <= 0.6, lambda x: f"{x:.2f}x")
     nb = 4096 if _find(results, kind="fwdbwd", n=4096) else max(
         [r["n"] for r in results if r["kind"] == "fwdbwd"] or [big])
@@ -304,36 +325,60 @@ def targets(results) -> list[dict]:
     return out
 
 
+def _blocks(r) -> str:
+    from flashlab.tiled import _block_sizes
+    bq, bk = _block_sizes(r.get("block_q"), r.get("block_k"), r["n"], r["n"])
+    return f"{bq}x{bk}"
+
+
 def markdown(report: dict) -> str:
-    """The results and targets as two markdown tables (what chapter 03 stores)."""
+    """The results, the targets and (with ``--sweep``) the block-size table, as markdown
+    (what chapter 03 stores)."""
     lines = [f"Machine: {report['machine']}; date {report['date']}.", "",
              "| config | time | GFLOP/s | peak RSS |", "|---|---|---|---|"]
+    rates = [r for r in report["results"] if r["kind"] == "rate" and "seconds" in r]
     for r in report["results"]:
-        if "seconds" in r:
-            lines.append(f"| {_label(r).strip()} | {r['seconds'] * 1e3:.1f} ms | "
-                         f"{r['flops'] / r['seconds'] / 1e9:.1f} | "
-                         f"{r['peak_rss_bytes'] / GB:.2f} GB |")
-            if r["kind"] == "rate":
-                lines.append(f"| rate   matmul N={r['matmul_n']} (alternating with the row "
-                             f"above) | {r['matmul_seconds'] * 1e3:.1f} ms | "
-                             f"{r['matmul_flops'] / r['matmul_seconds'] / 1e9:.1f} | |")
-        else:
+        if r["kind"] == "rate" and r.get("block_q") is not None:
+            continue                                         # sweep rows: the table below
+        if "seconds" not in r:
             lines.append(f"| {_label(r).strip()} | skipped: {r.get('skipped') or r.get('error')}"
                          f" | | |")
+            continue
+        lines.append(f"| {_label(r).strip()} | {r['seconds'] * 1e3:.1f} ms | "
+                     f"{r['flops'] / r['seconds'] / 1e9:.1f} | {r['peak_rss_bytes'] / GB:.2f} GB |")
+        if r["kind"] == "rate":
+            for what, name in (("causal", f"tiled N={r['n']} causal"),
+                               ("ceiling", f"matmuls N={r['n']} (the loop's matmuls alone)"),
+                               ("matmul", f"matmul N={r['matmul_n']} (square)")):
+                flops = r["flops"] / 2 if what == "causal" else r[f"{what}_flops"]
+                lines.append(f"| rate   {name}, alternating | {r[f'{what}_seconds'] * 1e3:.1f} ms"
+                             f" | {flops / r[f'{what}_seconds'] / 1e9:.1f} | |")
     lines += ["", "| target | measured | goal | met |", "|---|---|---|---|"]
     for t in report["targets"]:
         met = {True: "yes", False: "**no**", None: "not measured"}[t["met"]]
         lines.append(f"| {t['target']} | {t['value']} | {t['goal']} | {met} |")
-    mm = _find(report["results"], kind="matmul")
-    probe = _find(report["results"], kind="fwd", impl="matmuls")
-    tiled = probe and _find(report["results"], kind="fwd", impl="tiled", n=probe["n"],
-                            causal=False)
-    if mm and probe and tiled:
-        rate = lambda r: r["flops"] / r["seconds"]
+    main = next((r for r in rates if r.get("block_q") is None), None)
+    if main is not None:
+        tiled = main["flops"] / main["seconds"]
+        ceiling = main["ceiling_flops"] / main["ceiling_seconds"]
+        matmul = main["matmul_flops"] / main["matmul_seconds"]
         lines += ["", f"Ceiling: the tiled loop's two matmuls per tile alone (no softmax) at "
-                  f"N={probe['n']} run at {rate(probe) / 1e9:.1f} GFLOP/s, "
-                  f"{100 * rate(probe) / rate(mm):.0f}% of the matmul rate; the tiled forward "
-                  f"reaches {100 * rate(tiled) / rate(probe):.0f}% of that ceiling."]
+                  f"N={main['n']} run at {ceiling / 1e9:.1f} GFLOP/s, "
+                  f"{100 * ceiling / matmul:.0f}% of the matmul rate; the tiled forward "
+                  f"reaches {100 * tiled / ceiling:.0f}% of that ceiling (all alternating in "
+                  f"one process)."]
+    if len(rates) > 1:
+        lines += ["", f"Block sizes at N={rates[0]['n']} (each row one process alternating "
+                  f"its four calls; % of that row's square-matmul rate):", "",
+                  "| block_q x block_k | tiled GFLOP/s | tiled % | loop's matmuls % "
+                  "| causal / non-causal |", "|---|---|---|---|---|"]
+        for r in rates:
+            mm = r["matmul_flops"] / r["matmul_seconds"]
+            tag = " (default)" if r.get("block_q") is None else ""
+            lines.append(f"| {_blocks(r)}{tag} | {r['flops'] / r['seconds'] / 1e9:.1f} | "
+                         f"{100 * r['flops'] / r['seconds'] / mm:.0f}% | "
+                         f"{100 * r['ceiling_flops'] / r['ceiling_seconds'] / mm:.0f}% | "
+                         f"{r['causal_seconds'] / r['seconds']:.2f}x |")
     return "\n".join(lines)
 
 
@@ -344,9 +389,11 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m flashlab bench tiled", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="small N only (under a minute)")
+    p.add_argument("--sweep", action="store_true",
+                   help="also run the rate child at other block sizes (about 2 more minutes)")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     args = p.parse_args(argv)
-    report = run(quick=args.quick, progress=print)
+    report = run(quick=args.quick, sweep=args.sweep, progress=print)
     print()
     print(markdown(report))
     if args.json:
