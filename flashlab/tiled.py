@@ -40,8 +40,11 @@ __all__ = ["tiled_attention", "tiled_attention_from_spec", "tiled_attention_with
            "tiled_hbm_bytes", "DEFAULT_BLOCK_Q", "DEFAULT_BLOCK_K", "block_tables",
            "visit_ranges"]
 
-# Tuned on a 2-core x86 CPU (fp32, B=1, 8 heads, d=64; see flashlab.bench_tiled): large tiles
-# amortize the per-iteration loop overhead and keep the two matmuls per tile efficient.
+# Tuned on 2-core x86 CPUs (fp32, B=1, 8 heads, d=64; `python -m flashlab bench tiled --sweep`):
+# large tiles amortize the per-iteration loop overhead and keep the two matmuls per tile
+# efficient, and larger still feed them better (1024 x 1024: +27% forward rate on an AVX-512
+# Xeon), but causal skipping works a whole tile at a time and computes about
+# (N + block_q) / 2N of the non-causal work: 512 keeps the causal forward near half the time.
 DEFAULT_BLOCK_Q = 512
 DEFAULT_BLOCK_K = 512
 
