@@ -300,18 +300,17 @@ def targets(results) -> list[dict]:
         ">= 2.5x", lambda x: x >= 2.5, lambda x: f"{x:.1f}x")
     # The rate and causal targets come from the rate child at the default blocks, which
     # alternates the calls they divide in one process.
-    rr = _find(results, kind="rate", impl="tiled", n=mid, block_q=None, block_k=None)
-    if rr is not None:
-        mm = dict(flops=rr["matmul_flops"], seconds=rr["matmul_seconds"])
+    rate = _find(results, kind="rate", impl="tiled", n=mid, block_q=None, block_k=None)
+    if rate is not None:
+        mm, tr = dict(flops=rate["matmul_flops"], seconds=rate["matmul_seconds"]), rate
     else:
-        mm, rr = _find(results, kind="matmul"), _find(results, kind="fwd", impl="tiled", n=mid)
+        mm, tr = _find(results, kind="matmul"), _find(results, kind="fwd", impl="tiled", n=mid)
     add(f"fwd N={mid}: tiled FLOP rate / matmul rate",
-        None if mm is None or rr is None else
-        (rr["flops"] / rr["seconds"]) / (mm["flops"] / mm["seconds"]),
+        None if mm is None or tr is None else
+        (tr["flops"] / tr["seconds"]) / (mm["flops"] / mm["seconds"]),
         ">= 60%", lambda x: x >= 0.6, lambda x: f"{100 * x:.0f}%")
-    rc = _find(results, kind="rate", impl="tiled", n=mid, block_q=None, block_k=None)
     add(f"fwd N={mid}: causal / non-causal (alternating)",
-        None if rc is None else rc["causal_seconds"] / rc["seconds"],
+        None if rate is None else rate["causal_seconds"] / rate["seconds"],
         "<= 0.6x", lambda x: x <= 0.6, lambda x: f"{x:.2f}x")
     nb = 4096 if _find(results, kind="fwdbwd", n=4096) else max(
         [r["n"] for r in results if r["kind"] == "fwdbwd"] or [big])
