@@ -109,8 +109,7 @@ def run_child(cfg: dict) -> dict:
                 if r >= warmup:
                     times[name].append(t_call)
         out = {name: statistics.median(ts) for name, ts in times.items()}
-        # The probe does every tile's two matmuls: the non-causal count.
-        return dict(out, flops=flops, ceiling_flops=flops, matmul_flops=2.0 * cfg["matmul_n"] ** 3)
+        return dict(out, flops=flops, matmul_flops=2.0 * cfg["matmul_n"] ** 3)
     t = measure.time_fn(f, q, k, v, repeats=repeats, warmup=warmup)
     return {"seconds": t, "flops": flops}
 
@@ -324,6 +323,15 @@ def targets(results) -> list[dict]:
     return out
 
 
+def _rate(r, call: str = "") -> float:
+    """FLOP/s of one of a rate row's calls: ``""`` (the tiled forward), ``"causal"`` (half its
+    FLOPs), ``"ceiling"`` (the probe does every tile's two matmuls: the forward's count) or
+    ``"matmul"``."""
+    flops = {"": r["flops"], "causal": r["flops"] / 2, "ceiling": r["flops"],
+             "matmul": r["matmul_flops"]}[call]
+    return flops / r[f"{call}_seconds" if call else "seconds"]
+
+
 def _blocks(r) -> str:
     from flashlab.tiled import _block_sizes
     bq, bk = _block_sizes(r.get("block_q"), r.get("block_k"), r["n"], r["n"])
@@ -346,21 +354,18 @@ def markdown(report: dict) -> str:
         lines.append(f"| {_label(r).strip()} | {r['seconds'] * 1e3:.1f} ms | "
                      f"{r['flops'] / r['seconds'] / 1e9:.1f} | {r['peak_rss_bytes'] / GB:.2f} GB |")
         if r["kind"] == "rate":
-            for what, name in (("causal", f"tiled N={r['n']} causal"),
+            for call, name in (("causal", f"tiled N={r['n']} causal"),
                                ("ceiling", f"matmuls N={r['n']} (the loop's matmuls alone)"),
                                ("matmul", f"matmul N={r['matmul_n']} (square)")):
-                flops = r["flops"] / 2 if what == "causal" else r[f"{what}_flops"]
-                lines.append(f"| rate   {name}, alternating | {r[f'{what}_seconds'] * 1e3:.1f} ms"
-                             f" | {flops / r[f'{what}_seconds'] / 1e9:.1f} | |")
+                lines.append(f"| rate   {name}, alternating | {r[f'{call}_seconds'] * 1e3:.1f} ms"
+                             f" | {_rate(r, call) / 1e9:.1f} | |")
     lines += ["", "| target | measured | goal | met |", "|---|---|---|---|"]
     for t in report["targets"]:
         met = {True: "yes", False: "**no**", None: "not measured"}[t["met"]]
         lines.append(f"| {t['target']} | {t['value']} | {t['goal']} | {met} |")
     main = next((r for r in rates if r.get("block_q") is None), None)
     if main is not None:
-        tiled = main["flops"] / main["seconds"]
-        ceiling = main["ceiling_flops"] / main["ceiling_seconds"]
-        matmul = main["matmul_flops"] / main["matmul_seconds"]
+        tiled, ceiling, matmul = (_rate(main, c) for c in ("", "ceiling", "matmul"))
         lines += ["", f"Ceiling: the tiled loop's two matmuls per tile alone (no softmax) at "
                   f"N={main['n']} run at {ceiling / 1e9:.1f} GFLOP/s, "
                   f"{100 * ceiling / matmul:.0f}% of the matmul rate; the tiled forward "
@@ -372,11 +377,10 @@ def markdown(report: dict) -> str:
                   "| block_q x block_k | tiled GFLOP/s | tiled % | loop's matmuls % "
                   "| causal / non-causal |", "|---|---|---|---|---|"]
         for r in rates:
-            mm = r["matmul_flops"] / r["matmul_seconds"]
+            mm = _rate(r, "matmul")
             tag = " (default)" if r.get("block_q") is None else ""
-            lines.append(f"| {_blocks(r)}{tag} | {r['flops'] / r['seconds'] / 1e9:.1f} | "
-                         f"{100 * r['flops'] / r['seconds'] / mm:.0f}% | "
-                         f"{100 * r['ceiling_flops'] / r['ceiling_seconds'] / mm:.0f}% | "
+            lines.append(f"| {_blocks(r)}{tag} | {_rate(r) / 1e9:.1f} | "
+                         f"{100 * _rate(r) / mm:.0f}% | {100 * _rate(r, 'ceiling') / mm:.0f}% | "
                          f"{r['causal_seconds'] / r['seconds']:.2f}x |")
     return "\n".join(lines)
 
