@@ -20,7 +20,13 @@ __all__ = ["platform", "interpret_mode", "tpu_interpret_params", "ProblemSizes",
 
 
 def platform() -> str:
-    """``"tpu"``, ``"gpu"`` or ``"cpu"``: the platform of the default backend."""
+    """``"tpu"``, ``"gpu"`` or ``"cpu"``: the platform of the default backend.
+
+    ``"tpu"`` inside a :func:`compile_target` block (:func:`flashlab.tpu_compile.compile`):
+    the code is being built for a TPU, so backends choose and compile as on one.
+    """
+    if _TARGET.get() is not None:
+        return "tpu"
     p = jax.default_backend()
     return {"cuda": "gpu", "rocm": "gpu"}.get(p, p)
 

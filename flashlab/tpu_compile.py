@@ -44,7 +44,7 @@ from . import device
 from .kernels import blocks as _blocks
 
 __all__ = ["CHIPS", "CompileReport", "CompileError", "LibtpuMissingError", "available",
-           "require", "devices", "mesh", "compile", "versions"]
+           "require", "devices", "mesh", "compile", "versions", "pallas_calls"]
 
 #: Generation name -> the topology libtpu describes (a one-host slice of four chips).
 CHIPS = {"v4": "v4:2x2x1", "v5e": "v5e:2x2", "v5p": "v5p:2x2x1", "v6e": "v6e:2x2",
@@ -187,6 +187,23 @@ class CompileReport:
         return f"{head}\n  memory: {mem}"
 
 
+_LAST_TARGET: list = [None]
+
+
+@contextlib.contextmanager
+def _target(chip: str):
+    """``device.compile_target(chip)`` with JAX's trace caches cleared when the target changes.
+
+    The chip is read at trace time (block sizes, ``vmem_limit_bytes``) but is not part of
+    JAX's cache keys, so a function traced for one chip would be reused for the next.
+    """
+    if _LAST_TARGET[0] != chip:
+        jax.clear_caches()
+        _LAST_TARGET[0] = chip
+    with device.compile_target(chip):
+        yield
+
+
 def _memory(compiled) -> dict | None:
     try:
         m = compiled.memory_analysis()
@@ -255,7 +272,7 @@ def compile(fn: Callable, *args, chip: str = "v5e", num_devices: int = 1, in_sha
     target = _blocks.chip_from_device_kind(devs[0].device_kind) or chip
     jitted = jax.jit(functools.partial(fn, **static_kwargs) if static_kwargs else fn)
     report = CompileReport(chip=chip, ok=False, libtpu_version=versions()["libtpu"])
-    with device.compile_target(target):
+    with _target(target):
         traced = jitted.trace(*avals)             # the caller's errors raise here, unchanged
         try:
             report.stage = "lower"
@@ -268,3 +285,56 @@ def compile(fn: Callable, *args, chip: str = "v5e", num_devices: int = 1, in_sha
     report.ok, report.stage, report.compiled = True, None, compiled
     report.memory, report.cost = _memory(compiled), _cost(compiled)
     return report
+
+
+def _sub_jaxprs(value):
+    for x in value if isinstance(value, (tuple, list)) else (value,):
+        if hasattr(x, "eqns"):
+            yield x
+        elif hasattr(getattr(x, "jaxpr", None), "eqns"):
+            yield x.jaxpr
+
+
+def _block_dims(bm) -> tuple:
+    dims = []
+    for b in bm.block_shape:
+        size = getattr(b, "block_size", b)
+        dims.append(size if isinstance(size, int) else None)    # None: a squeezed dim
+    return tuple(dims)
+
+
+def pallas_calls(fn: Callable, *args, chip: str = "v5e", **static_kwargs) -> list[dict]:
+    """The Pallas kernels ``fn`` builds when traced for ``chip`` (no compile, no libtpu needed).
+
+    One dict per ``pallas_call``, in trace order: ``name``, ``grid``, ``blocks`` (each
+    operand's block shape, ``None`` for a squeezed dim) and ``vmem_limit_bytes`` (what the
+    kernel asks Mosaic for; ``None``: Mosaic's default scoped limit). ``args``: arrays or
+    ShapeDtypeStructs; ``static_kwargs`` are bound to ``fn``.
+    """
+    _check_chip(chip)
+    avals = jax.tree_util.tree_map(
+        lambda x: None if x is None else jax.ShapeDtypeStruct(np.shape(x), x.dtype), args)
+    f = functools.partial(fn, **static_kwargs) if static_kwargs else fn
+    with _target(chip):
+        closed = jax.make_jaxpr(f)(*avals)
+    found = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                p = eqn.params
+                cp = p.get("compiler_params")
+                cp = cp.get("mosaic", cp) if isinstance(cp, dict) else cp
+                limit = cp.get("vmem_limit_bytes") if isinstance(cp, dict) else \
+                    getattr(cp, "vmem_limit_bytes", None)
+                gm = p["grid_mapping"]
+                name = p.get("name") or getattr(p.get("name_and_src_info"), "name", None)
+                found.append({"name": str(name), "grid": tuple(gm.grid),
+                              "blocks": [_block_dims(bm) for bm in gm.block_mappings],
+                              "vmem_limit_bytes": limit})
+            for v in eqn.params.values():
+                for sub in _sub_jaxprs(v):
+                    walk(sub)
+
+    walk(closed.jaxpr)
+    return found

@@ -137,7 +137,7 @@ def make_config(spec: AttentionSpec, *, block_q=None, block_k=None, return_lse=F
         mask_bcast=bcast(spec.mask), has_segments=spec.q_segment_ids is not None,
         mask_q_len=spec.q_lengths is not None,
         mask_kv_len=spec.kv_lengths is not None or blk.round_up(spec.kv_len, int(block_k)) != spec.kv_len,
-        return_lse=return_lse)
+        return_lse=return_lse, chip=chip)
     return cfg
 
 
