@@ -38,6 +38,10 @@ VMEM_BYTES = {
     "v2": 16 << 20, "v3": 16 << 20, "v4": 16 << 20, "v4i": 16 << 20,
     "v5e": 128 << 20, "v5p": 64 << 20, "v6e": 128 << 20, "7x": 64 << 20,
 }
+#: Chips whose vector unit has no 8-bit integer ops: Mosaic cannot compare an int8 vector there
+#: ("failed to legalize operation 'arith.cmpi' ... vector<...xi8>", libtpu 0.0.42 for v4), so
+#: the kernels widen the int8 mask block to int32 before comparing.
+NO_INT8_VPU = frozenset({"v2", "v3", "v4", "v4i"})
 DEFAULT_CHIP = "v5e"      # what Colab's TPU runtime gives today; used off-TPU
 
 

@@ -317,7 +317,10 @@ def score_tile(ins, cfg: ForwardConfig, q_start, k_start, q_len, kv_len):
         q_len=q_len if cfg.mask_q_len else None,
         kv_len=kv_len if cfg.mask_kv_len else None, q_seg=q_seg, kv_seg=kv_seg)
     if "mask" in ins:
-        visible = jnp.logical_and(visible, ins["mask"][...] != 0)
+        mask = ins["mask"][...]                                             # [B_r, B_c] int8
+        if blk.resolve_chip(cfg.chip) in blk.NO_INT8_VPU:   # Mosaic: no int8 compare on v4
+            mask = mask.astype(jnp.int32)
+        visible = jnp.logical_and(visible, mask != 0)
     return s, t, visible
 
 
