@@ -115,8 +115,8 @@ def _copy_kernel(x):
 @needs_libtpu
 @pytest.mark.tpu_compile
 def test_a_rejected_kernel_gives_the_compilers_vmem_report_never_a_silent_success():
-    # One 64 MiB block in, one out (fp32 4096 x 4096): over every chip's default scoped limit.
-    report = tpu_compile.compile(_copy_kernel, jax.ShapeDtypeStruct((4096, 4096), jnp.float32),
+    # One 16 MiB block in, one out (fp32 2048 x 2048): over the 16 MiB default scoped limit.
+    report = tpu_compile.compile(_copy_kernel, jax.ShapeDtypeStruct((2048, 2048), jnp.float32),
                                  chip="v5e")
     assert not report.ok and report.stage == "compile" and report.compiled is None
     assert "vmem" in report.error.lower() and "Traceback" not in report.error
