@@ -11,7 +11,8 @@ requirements.txt or pyproject.toml change.
 The JAX-range legs check both ends of the supported range in pyproject.toml
 (``jax>=LOW,<HIGH``): ``.venv-jax-oldest`` (this Python, ``jax==LOW``) and
 ``.venv-jax-newest`` (the newest Python >= 3.12 found, the newest jax pip resolves below
-HIGH) each run the ``compat`` tests (tests/test_compat.py). A missing Python >= 3.12 skips
+HIGH, with libtpu) each run the ``compat`` tests (tests/test_compat.py); the newest leg also
+compiles the base row of the TPU compile matrix with the newest TPU compiler. A missing Python >= 3.12 skips
 the newest leg with a printed message; set FLASHLAB_NEWEST_PYTHON to choose the interpreter.
 """
 from __future__ import annotations
@@ -60,6 +61,10 @@ def env() -> dict:
     e["PATH"] = f"{BIN}{os.pathsep}{e.get('PATH', '')}"
     e.setdefault("PYTHONHASHSEED", "0")
     e.pop("XLA_FLAGS", None)        # tests that need simulated devices set it themselves
+    # libtpu (the TPU compiler, from jax[tpu] in requirements.txt) is installed: the tests run
+    # on CPU and load it only to compile (flashlab.tpu_compile), and they must not skip.
+    e.setdefault("JAX_PLATFORMS", "cpu")
+    e["FLASHLAB_REQUIRE_LIBTPU"] = "1"
     return e
 
 
@@ -95,6 +100,10 @@ def pytest(*args, py=PY, environ=None) -> None:
 # ----------------------------------------------------------------------------- JAX-range legs
 
 COMPAT_TESTS = ("tests/test_compat.py", "-m", "compat")
+# The newest leg also installs libtpu (jax[tpu]) and compiles the base row of the TPU compile
+# matrix (forward + both backward kernels, 5 chips x default/largest blocks) with the newest
+# compiler: the one TPU users get today. The full matrix runs in .venv (tests/).
+NEWEST_TPU_TESTS = ("tests/test_tpu_compile_matrix.py", "-k", "base", "-m", "tpu_compile")
 
 
 def jax_range() -> tuple[str, str]:
@@ -160,7 +169,7 @@ def compat_legs() -> list[str]:
               "$FLASHLAB_NEWEST_PYTHON, python3.12..3.14 on PATH, ~/.pyenv/versions). JAX "
               f"releases after 0.10 need Python >= 3.12; only jax=={low} is checked.", flush=True)
     else:
-        legs.append(("newest", ROOT / ".venv-jax-newest", newest, [f"jax<{high}"]))
+        legs.append(("newest", ROOT / ".venv-jax-newest", newest, [f"jax[tpu]<{high}"]))
     summary = []
     for name, venv, python, spec in legs:
         t0 = time.time()
@@ -172,7 +181,11 @@ def compat_legs() -> list[str]:
         e = env()
         e["PATH"] = f"{venv / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}"
         pytest(*COMPAT_TESTS, "-q", "-p", "no:cacheprovider", py=py, environ=e)
-        summary.append(f"{name} leg: jax {ver}: compat tests passed in {time.time() - t0:.0f} s")
+        what = "compat tests"
+        if name == "newest":
+            pytest(*NEWEST_TPU_TESTS, "-q", "-p", "no:cacheprovider", py=py, environ=e)
+            what += " and the TPU compile matrix's base row"
+        summary.append(f"{name} leg: jax {ver}: {what} passed in {time.time() - t0:.0f} s")
     if newest is None:
         summary.append("newest leg: SKIPPED (no Python >= 3.12)")
     return summary
