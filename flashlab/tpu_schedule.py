@@ -110,6 +110,7 @@ class TileSchedule:
     unit_capacity: dict        # column -> slots per bundle
     op_mix: dict               # our count of tile instructions by unit (UNITS)
     matmuls: dict              # vmatmul count in the tile by dtype
+    tile_util: list = dataclasses.field(default_factory=list, repr=False)  # table rows of the tile
 
     @property
     def mxu_cycles(self) -> float:
@@ -123,8 +124,17 @@ class TileSchedule:
 
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)
+        d.pop("tile_util")
         d.update(mxu_cycles=self.mxu_cycles, occupancy=self.occupancy)
         return d
+
+
+def _read(path: Path) -> str:
+    """A dump file's text (``.gz`` too: the test fixtures are gzipped)."""
+    if path.suffix == ".gz":
+        import gzip
+        return gzip.decompress(path.read_bytes()).decode()
+    return path.read_text()
 
 
 def _strip_comments(s: str) -> str:
@@ -264,8 +274,8 @@ def analyze(packed_path, util_path=None, kernel: str | None = None) -> TileSched
         if not p.exists():
             raise FileNotFoundError(f"{p}: no such dump file (dump with DUMP_FLAGS; the table "
                                     f"is written next to the packed-bundles file)")
-    bundles = parse_bundles(packed_path.read_text(), str(packed_path))
-    caps, rows = parse_utilization(util_path.read_text(), str(util_path))
+    bundles = parse_bundles(_read(packed_path), str(packed_path))
+    caps, rows = parse_utilization(_read(util_path), str(util_path))
     busy = _crosscheck(bundles, caps, rows, str(packed_path), str(util_path))
     fwd, back = _branches(bundles)
     loops = [r for r in back if r.target <= r.branch]
@@ -321,7 +331,7 @@ def analyze(packed_path, util_path=None, kernel: str | None = None) -> TileSched
         mxu_busy_cycles=sum(busy[i] for i in in_tile),
         unit_busy={c: sum(rows[i][k] for i in in_tile) for k, c in enumerate(cols)},
         unit_capacity=dict(caps), op_mix={u: mix.get(u, 0) for u in UNITS},
-        matmuls=dict(dtypes))
+        matmuls=dict(dtypes), tile_util=[rows[i] for i in in_tile])
 
 
 def kernel_cycles(s: TileSchedule, *, steps: int, tiles: int, rows: int) -> int:
