@@ -24,7 +24,12 @@ from pathlib import Path
 
 from . import tpu_dump
 
-__all__ = ["build", "measure", "chip_clock", "main", "LIBRARIES", "MATMULS", "header"]
+__all__ = ["build", "measure", "chip_clock", "main", "LIBRARIES", "MATMULS", "header", "table",
+           "stored", "STORED"]
+
+# One run of this bench, committed for the book (chapters 05, 07, 09): its header says which
+# jax, libtpu and flashlab commit produced it. Regenerate with the command in its "args".
+STORED = Path(__file__).parent / "data" / "tpu_static.json"
 
 LIBRARIES = ("flashlab", "splash", "jax_pallas_flash")
 MATMULS = {"forward": 2, "dq": 3, "dkdv": 4}     # matmuls of one tile, per kernel
@@ -181,8 +186,12 @@ def measure(*, chips, libraries=LIBRARIES, modes=("default", "equal"), block=512
             or (not bwd and "forward" in kernels)]
     bar = None
     if progress:
-        from tqdm.auto import tqdm
-        bar = tqdm(total=len(jobs), desc="tpu-static", file=sys.stderr)
+        try:
+            from tqdm.auto import tqdm
+        except ImportError:       # tqdm is in the [flax] extra; no bar without it
+            tqdm = None
+        if tqdm is not None:
+            bar = tqdm(total=len(jobs), desc="tpu-static", file=sys.stderr)
     rows, versions = [], {}
     shape = dict(batch=batch, seq_len=seq_len, heads=heads, head_dim=head_dim)
 
@@ -228,6 +237,15 @@ def measure(*, chips, libraries=LIBRARIES, modes=("default", "equal"), block=512
         r["ratio_splash"] = (r["est_cycles"] / ref[0]["est_cycles"]
                              if ref and "error" not in r else None)
     return rows, versions
+
+
+def stored(path=None) -> dict:
+    """The committed run (:data:`STORED`): ``{"versions", "args", "rows"}``."""
+    p = Path(path or STORED)
+    if not p.exists():
+        raise FileNotFoundError(f"{p}: no stored tpu-static run; make one with "
+                                f"python -m flashlab bench tpu-static --json {p}")
+    return json.loads(p.read_text())
 
 
 def _commit() -> str:
