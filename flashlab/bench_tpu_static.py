@@ -25,7 +25,7 @@ from pathlib import Path
 from . import tpu_dump
 
 __all__ = ["build", "measure", "chip_clock", "main", "LIBRARIES", "MATMULS", "header", "table",
-           "stored", "STORED"]
+           "stored", "STORED", "training_step_table"]
 
 # One run of this bench, committed for the book (chapters 05, 07, 09): its header says which
 # jax, libtpu and flashlab commit produced it. Regenerate with the command in its "args".
@@ -294,6 +294,26 @@ def table(rows) -> str:
         out.append(f"{left} {str(r['block_q']) + 'x' + str(r['block_k']):>9} "
                    f"{r['tile_cycles']:6d} {r['step_cycles']:5d} {r['occupancy']:5.0%} "
                    f"{ms(r['est_ms']):>8} {ms(r['floor_ms']):>6} {rf:>7} {rs:>8}")
+    return "\n".join(out)
+
+
+def training_step_table(rows, *, blocks="equal") -> str:
+    """Forward + dQ + dK/dV whole-kernel estimates per chip and library (one training step's
+    attention), with the ratio to splash: what ``auto``'s order on a TPU should follow."""
+    out = [f"{'chip':4} {'library':17} {'fwd+bwd est ms':>14} {'x floor':>7} {'x splash':>8}"]
+    by = {}
+    for r in rows:
+        if r.get("blocks") == blocks and "error" not in r and r.get("est_ms") is not None:
+            t = by.setdefault((r["chip"], r["library"]), [0.0, 0.0, set()])
+            t[0] += r["est_ms"]
+            t[1] += r["floor_ms"]
+            t[2].add(r["kernel"])
+    for (chip, lib), (est, floor, ks) in by.items():
+        if ks != set(MATMULS):
+            continue
+        ref = by.get((chip, "splash"))
+        rs = f"{est / ref[0]:.2f}" if ref and ref[2] == set(MATMULS) else "-"
+        out.append(f"{chip:4} {lib:17} {est:14.2f} {est / floor:7.2f} {rs:>8}")
     return "\n".join(out)
 
 
