@@ -209,10 +209,13 @@ def measure(*, chips, libraries=LIBRARIES, modes=("default", "equal"), block=512
 
     from concurrent.futures import ThreadPoolExecutor
     with ThreadPoolExecutor(max(1, jobs_in_parallel)) as pool:   # each compile is a child
-        futures = [pool.submit(one, job) for job in jobs]
-        results = []
-        for f in futures:
-            results.append(f.result())
+        # Longest compiles first (gradients, ours), so parallel jobs finish together.
+        order = sorted(range(len(jobs)), key=lambda n: (not jobs[n][3], jobs[n][1] != "flashlab"))
+        futures = {pool.submit(one, jobs[n]): n for n in order}
+        results = [None] * len(jobs)
+        from concurrent.futures import as_completed
+        for f in as_completed(futures):
+            results[futures[f]] = f.result()
             if bar is not None:
                 bar.update()
     for (c, lib, m, bwd), d in zip(jobs, results):
