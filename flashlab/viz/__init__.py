@@ -18,3 +18,6 @@ __all__ = ["naive_scaling_figure", "score_matrix_figure", "bench_figure", "ring_
            "online_softmax_figure", "traffic_figure", "backward_traffic_figure",
            "backward_tile_map_figure", "loss_curves_figure", "vmem_vs_seq_len",
            "packing_figure", "backend_loss_figure", "long_document_figure"]
+from .tpu_schedule import static_estimates_figure, tile_timeline_figure  # noqa: E402
+
+__all__ += ["static_estimates_figure", "tile_timeline_figure"]

@@ -63,7 +63,7 @@ def backward_tile_map_figure(q_len: int = 512, kv_len: int = 512, *, block_q: in
 
     Left: the dQ kernel walks each row ``i`` over :func:`blocks.kv_block_range`; right: the
     dK/dV kernel walks each column ``j`` over :func:`blocks.q_block_range`. Both cover the
-    same tiles — grey ones are skipped with neither compute nor DMA.
+    same tiles; pale ones are skipped with neither compute nor DMA (chapter 05's colours).
     """
     from ..kernels import blocks as blk
     plt = _plt()
@@ -82,11 +82,18 @@ def backward_tile_map_figure(q_len: int = 512, kv_len: int = 512, *, block_q: in
     for ax, m, title, xl in ((axes[0], rows, "dQ kernel: row i over kv blocks", "kv block j"),
                              (axes[1], cols, "dK/dV kernel: column j over q blocks",
                               "kv block j (outer)")):
-        ax.imshow(m, cmap="Greys_r", vmin=-0.6, vmax=1.0, aspect="equal")
+        # Chapter 05's colours (viz.pipeline.block_skipping_figure): computed dark, skipped pale.
+        ax.imshow(m, cmap="Blues", vmin=-0.4, vmax=1.2, aspect="equal")
         ax.set_title(f"{title}\n{int(m.sum())} of {nq * nk} tiles", fontsize=9)
         ax.set_xlabel(xl)
         ax.set_ylabel("q block i")
-    fig.tight_layout()
+    cmap = plt.get_cmap("Blues")
+    shade = lambda x: cmap((x + 0.4) / 1.6)  # noqa: E731 - the imshow normalisation above
+    fig.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=shade(1.0), label="computed"),
+                        plt.Rectangle((0, 0), 1, 1, color=shade(0.0),
+                                      label="skipped: no compute, no DMA")],
+               loc="lower center", ncol=2, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     return fig
 
 

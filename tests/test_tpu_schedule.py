@@ -1,0 +1,155 @@
+"""The TPU compiler's schedule, read tile by tile (flashlab.tpu_schedule, tpu_dump, the bench).
+
+The fixture is a real dump (gzipped, ~100 KB): flashlab's forward kernel, B=2, T=8192, H=16,
+d=128, bf16, causal, 512x512 blocks, compiled for v5e by libtpu 0.0.50 (jax 0.12.0.1) with
+tpu_schedule.DUMP_FLAGS. The live tests compile with this machine's libtpu and skip, saying
+so, when it is not installed.
+"""
+import gzip
+from pathlib import Path
+
+import pytest
+
+from flashlab import tpu_dump, tpu_schedule as ts
+
+DATA = Path(__file__).parent / "data" / "tpu_schedule"
+PACKED = DATA / "v5e_flashlab_forward_512x512-packed-bundles-post-ra.txt.gz"
+UTIL = DATA / "v5e_flashlab_forward_512x512-static-per-bundle-utilization.txt.gz"
+
+
+def _libtpu():
+    try:
+        from flashlab import tpu_compile
+    except ImportError:
+        return False
+    return tpu_compile.available()
+
+
+needs_libtpu = pytest.mark.skipif(not _libtpu(), reason='libtpu (the TPU compiler) is not '
+                                  'installed: pip install "jax[tpu]" to run the live compile')
+
+
+@pytest.fixture(scope="module")
+def fixture():
+    return ts.analyze(PACKED, UTIL, kernel="flashlab_flash_forward")
+
+
+def test_fixture_tile_step_and_mxu(fixture):
+    s = fixture
+    # One tile of Q K^T and P V at 512x512x128 bf16: 256 vmatmuls x 16 rows on 4 MXUs.
+    assert s.matmuls == {"bf16": 256} and s.num_mxu == 4
+    assert s.mxu_busy_cycles == 256 * 16 and s.mxu_cycles == 1024
+    # Cycle counts of this dump (regions of the packed bundles, read by hand once).
+    assert (s.tile_cycles, s.init_cycles, s.finalize_cycles) == (1416, 197, 401)
+    assert s.loop_cycles == s.tile_cycles + s.init_cycles + s.finalize_cycles + s.step_cycles
+    assert s.total_cycles == s.loop_cycles + s.outside_loop_cycles == 2363
+    assert s.occupancy == pytest.approx(1024 / 1416)
+    # Op mix: 256 vmatmul + 64 weight pushes + 512 result pops on the MXUs; the table agrees.
+    assert s.op_mix["MXU"] == 832 and s.unit_busy["MXU"] == 4096
+    assert s.op_mix["DMA"] == 0 and s.op_mix["EUP"] > 0 and s.op_mix["XLU"] > 0
+    assert len(s.tile_util) == s.tile_cycles and "tile_util" not in s.as_dict()
+
+
+def test_kernel_cycles_whole_kernel_estimate(fixture):
+    s = fixture
+    steps, tiles, rows = 2 * 16 * 16 * 16, 2 * 16 * 136, 2 * 16 * 16
+    got = ts.kernel_cycles(s, steps=steps, tiles=tiles, rows=rows)
+    assert got == (s.outside_loop_cycles + steps * s.step_cycles + tiles * s.tile_cycles
+                   + rows * (s.init_cycles + s.finalize_cycles))
+
+
+def _write(tmp_path, packed_text, util_text):
+    p = tmp_path / "k-01-packed-bundles-post-ra.txt"
+    u = tmp_path / "k-02-pre-delay_hlo-static-per-bundle-utilization.txt"
+    p.write_text(packed_text)
+    u.write_text(util_text)
+    return p, u
+
+
+def _texts():
+    return gzip.decompress(PACKED.read_bytes()).decode(), gzip.decompress(UTIL.read_bytes()).decode()
+
+
+def test_mxu_table_disagreement_fails_loudly(tmp_path):
+    packed, util = _texts()
+    lines = util.splitlines()
+    k = next(i for i, ln in enumerate(lines) if ln.startswith("== UTIL")) + 700
+    row = lines[k].split()
+    row[0] = str(int(row[0]) + 1)                         # the compiler "says" one more MXU
+    lines[k] = " ".join(row)
+    p, u = _write(tmp_path, packed, "\n".join(lines))
+    with pytest.raises(ts.ScheduleFormatError, match=r"bundle 699 .*MXU model.*table"):
+        ts.analyze(p, u)
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda p, u: (p, u.replace("== UTILIZATION", "== USAGE")), "UTILIZATION"),
+    (lambda p, u: (p, "\n".join(u.splitlines()[:-5])), "no longer align"),
+    (lambda p, u: (p.replace("vmatmul.bf16", "vmatmul.bf17"), u), "unknown matmul dtype"),
+    (lambda p, u: (p.replace(" LB:", "   :"), u), "LB"),
+    (lambda p, u: ("nothing here\n", u), "no bundle lines"),
+    (lambda p, u: (p.replace("sbr.rel", "sbr.abs"), u), "one grid loop"),
+])
+def test_format_moved_fails_loudly(tmp_path, edit, match):
+    p, u = _write(tmp_path, *edit(*_texts()))
+    with pytest.raises(ts.ScheduleFormatError, match=match):
+        ts.analyze(p, u)
+
+
+def test_missing_file_names_it(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope-01-packed"):
+        ts.analyze(tmp_path / "nope-01-packed-bundles-post-ra.txt")
+
+
+@pytest.mark.parametrize("opcode, unit", [
+    ("vmatmul.bf16.gmra.mxu0", "MXU"), ("vpop.f32.mrb[3].mxu1", "MXU"),
+    ("vmax.xlane.f32.xlu2", "XLU"), ("vexp2.f32", "EUP"), ("vpop.eup", "EUP"),
+    ("vld", "load"), ("vst", "store"), ("dma.hbm_to_vmem", "DMA"), ("vadd.f32", "VPU"),
+    ("sadd.s32", "scalar"), ("vsyncadd", "sync")])
+def test_unit_of(opcode, unit):
+    assert ts.unit_of(opcode) == unit
+
+
+@pytest.mark.parametrize("name, role", [
+    ("flashlab_flash_forward.1", "forward"), ("flashlab_flash_backward_dkdv.1", "dkdv"),
+    ("flashlab_flash_backward_dq.1", "dq"), ("splash_mha_dkv_no_residuals.1", "dkdv"),
+    ("jvp_jit_flash_attention__.1", "forward"), ("_flash_attention_dq_kernel", "dq")])
+def test_role_of(name, role):
+    assert tpu_dump.role_of(name) == role
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--block", "100"], "--block: expected a multiple of 128"),
+    (["--block", "0"], "--block: expected a positive integer"),
+    (["--chip", "v9"], "invalid choice: 'v9'"),
+    (["--seq-len", "1000", "--blocks", "default"], "--seq-len: expected a multiple of 128"),
+])
+def test_bench_cli_validation(args, match, capsys):
+    from flashlab import bench
+    with pytest.raises(SystemExit) as e:
+        bench.main(["tpu-static", *args])
+    assert e.value.code == 2 and match in capsys.readouterr().err
+
+
+@needs_libtpu
+def test_live_compile_bench_rows():
+    """One real compile (flashlab forward, v5e): the dump parses, the cross-check passes."""
+    from flashlab import bench_tpu_static as bts
+    rows, versions = bts.measure(chips=["v5e"], libraries=["flashlab"], modes=["equal"],
+                                 kernels=["forward"], block=512, batch=1, seq_len=4096,
+                                 heads=4, progress=False)
+    assert versions["libtpu"] and len(rows) == 1, rows
+    r = rows[0]
+    assert (r["block_q"], r["block_k"], r["grid"]) == (512, 512, [1, 4, 8, 8])
+    assert r["tiles"] == 4 * 36 and r["rows"] == 4 * 8 and r["steps"] == 4 * 64
+    assert r["mxu_cycles"] == 1024 and r["tile_cycles"] > r["mxu_cycles"]
+    assert 0 < r["occupancy"] < 1 and r["ratio_floor"] > 1 and r["step_cycles"] > 0
+    assert "not wall time" in bts.header(versions, dict(batch=1, seq_len=4096, heads=4,
+                                                        head_dim=128, dtype="bfloat16",
+                                                        causal=True, block=512)).lower()
+
+
+@needs_libtpu
+def test_live_unknown_chip():
+    with pytest.raises(ValueError, match="chip: expected one of"):
+        tpu_dump.schedules("flashlab.bench_tpu_static:build", "v9")
