@@ -297,6 +297,19 @@ register_decode(Backend(
     gradients=False))
 
 
+def _pallas_tpu_decode(query, k_cache, v_cache, spec: DecodeSpec, *, interpret=None):
+    from .kernels.decode import pallas_decode
+    return pallas_decode(query, k_cache, v_cache, spec, interpret=interpret)
+
+
+register_decode(Backend(
+    "pallas_tpu", "flashlab.kernels.decode: page walk in the index maps, G heads folded, "
+    "split-K merged with online_softmax.merge", _pallas_tpu_decode,
+    platforms=frozenset({"tpu"}), interpret_platforms=frozenset({"cpu", "gpu"}),
+    interpret_by_default=True, dtypes=frozenset({"bfloat16", "float32"}),
+    features=DECODE_FEATURES, gradients=False, interpret_kind="Pallas interpreter"))
+
+
 # ----------------------------------------------------------------------------- the contract
 
 def decode_attention(query, k_cache, v_cache, *, cache_lengths, page_table=None, scale=None,
