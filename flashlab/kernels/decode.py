@@ -100,17 +100,28 @@ def make_decode_config(spec: DecodeSpec, page_size: int, pages_per_sequence: int
         scale=spec.scale, window=spec.window, soft_cap=spec.soft_cap)
 
 
+def _div(a, b: int):
+    """``a // b`` for ``a >= 0``: Python/NumPy ints as they are, traced values with ``lax.div``
+    (truncating; ``//`` on a traced int lowers through ``sign``, which Mosaic lowers only
+    with a TPU attached)."""
+    if isinstance(a, (int, np.integer)):
+        return a // b
+    return jax.lax.div(a, jnp.asarray(b, a.dtype))
+
+
 def visible_pages(cfg: DecodeConfig, length):
     """``(first, last)`` logical pages sequence of ``length`` can see (ints or traced).
 
     ``last = ceil(length / page_size) - 1`` (0 for an empty slot); ``first`` starts at the
     oldest key the first new token's window reaches.
     """
-    last = jnp.maximum((length + cfg.page_size - 1) // cfg.page_size - 1, 0)
+    mx = max if isinstance(length, (int, np.integer)) else jnp.maximum
+    mn = min if isinstance(length, (int, np.integer)) else jnp.minimum
+    last = mx(_div(length + cfg.page_size - 1, cfg.page_size) - 1, 0)
     if cfg.window is None:
         return 0, last
-    first = jnp.clip(length - cfg.new_tokens - cfg.window, 0, None) // cfg.page_size
-    return jnp.minimum(first, last), last
+    first = _div(mx(length - cfg.new_tokens - cfg.window, 0), cfg.page_size)
+    return mn(first, last), last
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,7 +170,8 @@ def decode_grid_spec(cfg: DecodeConfig) -> DecodeGridSpec:
 
     def page_map(b, s, i, lengths, table):      # the page walk: logical page -> pool page
         first, last = visible_pages(cfg, lengths[b])
-        j = jnp.clip(s * pps + i, first, last)
+        j = s * pps + i
+        j = min(max(j, first), last) if isinstance(j, int) else jnp.clip(j, first, last)
         return (table[b * W + j], 0, 0, 0)
 
     def state_map(b, s, i, lengths, table):
@@ -205,7 +217,7 @@ def _decode_kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, m_out, l_out, ac
     @pl.when(run)
     def _compute():
         # row r is new token r // G (rows past T*G are padding: they see what token T-1 sees)
-        t = jnp.minimum(jax.lax.broadcasted_iota(jnp.int32, (R, ps), 0) // cfg.group_size,
+        t = jnp.minimum(_div(jax.lax.broadcasted_iota(jnp.int32, (R, ps), 0), cfg.group_size),
                         cfg.new_tokens - 1)
         q_pos = length - cfg.new_tokens + t
         k_pos = j * ps + jax.lax.broadcasted_iota(jnp.int32, (R, ps), 1)
