@@ -256,8 +256,13 @@ _DECODE_PREFERENCE = {"tpu": ("pallas_tpu", "tiled", "reference"),
 
 def choose_decode(spec: DecodeSpec, backend: str = "auto", *, interpret=None,
                   platform: str | None = None) -> Choice:
-    """Pick the decode backend for ``spec`` (``"auto"`` or a name) and say why."""
-    platform = device.platform() if platform is None else platform
+    """Pick the decode backend for ``spec`` (``"auto"`` or a name) and say why.
+
+    The platform is the compile target's while :func:`flashlab.tpu_compile.compile` builds
+    for a TPU (:func:`flashlab.device.target_chip`), else this host's.
+    """
+    if platform is None:
+        platform = "tpu" if device.target_chip() is not None else device.platform()
     if backend != "auto":
         if not isinstance(backend, str) or backend not in _DECODE_REGISTRY:
             raise ValueError(f"backend: expected 'auto' or one of {list(_DECODE_REGISTRY)}, "

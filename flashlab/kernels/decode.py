@@ -34,7 +34,8 @@ from . import blocks as blk
 from ._pallas_compat import pl
 
 __all__ = ["DecodeConfig", "DecodeGridSpec", "make_decode_config", "decode_grid_spec",
-           "pallas_decode", "decode_call", "choose_num_splits", "SPLIT_MIN_POSITIONS"]
+           "pallas_decode", "decode_call", "choose_num_splits", "SPLIT_MIN_POSITIONS",
+           "decode_step_case"]
 
 # Flash-decoding: split the kv axis only when each split still walks at least this many
 # positions, and only until batch * splits reaches PARALLEL_TARGET independent grid rows
@@ -312,3 +313,34 @@ def pallas_decode(query, k_cache, v_cache, spec: DecodeSpec, *, interpret=None,
     kp, vp, table, ps = paged_view(k_cache, v_cache, spec, block_k)
     cfg = make_decode_config(spec, ps, table.shape[1], kp.shape[0], num_splits=num_splits)
     return _decode(query, kp, vp, table, spec, cfg=cfg, interpret=_resolve_interpret(interpret))
+
+
+def decode_step_case(*, batch: int = 8, q_heads: int = 32, kv_heads: int = 4,
+                     head_dim: int = 128, page_size: int = 16, pages_per_sequence: int = 256,
+                     new_tokens: int = 1, dtype="bfloat16", window: int | None = None,
+                     soft_cap: float | None = None, sinks: bool = False):
+    """``(fn, args)``: one decode step through the compiled kernel, for the TPU compiler.
+
+    ``fn(query, k_pages, v_pages, cache_lengths, page_table[, sinks])`` is
+    :func:`flashlab.decode_attention` with ``backend="pallas_tpu", interpret=False`` (the
+    kernel plus the split-K merge); ``args`` are ``jax.ShapeDtypeStruct`` s of a paged cache
+    holding ``batch * pages_per_sequence`` pages. What ``tpu_compile.compile(fn, *args,
+    chip=...)`` and ``bench tpu-static`` lower.
+    """
+    from ..decode import decode_attention
+    dt = jnp.dtype(dtype)
+    sds = jax.ShapeDtypeStruct
+    pages = batch * pages_per_sequence
+    args = [sds((batch, new_tokens, q_heads, head_dim), dt),
+            sds((pages, page_size, kv_heads, head_dim), dt),
+            sds((pages, page_size, kv_heads, head_dim), dt),
+            sds((batch,), jnp.int32), sds((batch, pages_per_sequence), jnp.int32)]
+    if sinks:
+        args.append(sds((q_heads,), jnp.float32))
+
+    def fn(query, k_pages, v_pages, cache_lengths, page_table, sinks=None):
+        return decode_attention(query, k_pages, v_pages, cache_lengths=cache_lengths,
+                                page_table=page_table, local_window_size=window,
+                                logits_soft_cap=soft_cap, sinks=sinks, backend="pallas_tpu",
+                                interpret=False)
+    return fn, tuple(args)
