@@ -404,17 +404,6 @@ def _q_rows(x4, cfg, i):
     return blk.reshape(blk.shape[0], -1, blk.shape[-1])
 
 
-def sink_state(sinks, rows: int, head_dim: int) -> osm.State:
-    """The sink as one more online-softmax state: ``m = sink``, ``l = 1``, ``acc = 0``.
-
-    ``sinks`` ``[..., G]`` -> a state over ``[..., G·rows]`` rows (row ``g·rows + t`` is
-    head ``g``), ready for :func:`flashlab.online_softmax.merge` before ``finalize``: a key
-    whose logit is the sink and whose value is zero.
-    """
-    m = jnp.repeat(sinks.astype(jnp.float32), rows, axis=-1)
-    return osm.State(m, jnp.ones_like(m), jnp.zeros((*m.shape, head_dim), jnp.float32))
-
-
 def _forward(cfg: _Config, q4, k3, v3, bias5, aux: _Aux, sinks2=None):
     """``(out [BK, G, Tp, d_v] float32, lse [BK, G, Tp] float32)``; ``sinks2 [BK, G]``."""
     BK, G, Tp, _ = q4.shape
@@ -439,7 +428,7 @@ def _forward(cfg: _Config, q4, k3, v3, bias5, aux: _Aux, sinks2=None):
         state = _three_loops(bounds, used, kv_step(True), kv_step(False),
                              osm.init((BK, G * cfg.bq), Hv))
         if sinks2 is not None:
-            state = osm.merge(state, sink_state(sinks2, cfg.bq, Hv))
+            state = osm.merge(state, osm.sink_state(jnp.repeat(sinks2, cfg.bq, axis=-1), Hv))
         out, lse = osm.finalize(state)
         return out.reshape(BK, G, cfg.bq, Hv), lse.reshape(BK, G, cfg.bq)
 
@@ -569,18 +558,11 @@ def _forward_by_head(cfg: _Config, q4, k3, v3, bias5, aux: _Aux, sinks2=None):
     return jax.lax.map(one, (jnp.arange(q4.shape[0]), q4, k3, v3, s))
 
 
-def sink_grad(sinks2, out4, lse3, dout4, dlse3):
-    """``dsink [BK, G]``: the sink's gradient from the forward's residuals.
-
-    With ``p_sink = exp(sink - lse)`` (the sink's softmax weight in each row) and
-    ``D_i = rowsum(dO_i ∘ O_i) - dlse_i``, ``dsink = -sum_i p_sink,i · D_i``: the sink takes
-    no value, so only the normalisation it shares with every key carries gradient to it.
-    """
-    finite = jnp.isfinite(lse3)
+def _sink_grad(sinks2, out4, lse3, dout4, dlse3):
+    """``dsink [BK, G]`` from the residuals (:func:`flashlab.online_softmax.sink_grad`)."""
     D = jnp.sum(dout4.astype(jnp.float32) * out4.astype(jnp.float32), axis=-1)  # [BK, G, Tp]
-    D = D - jnp.where(finite, dlse3, 0.0)
-    p_sink = jnp.where(finite, jnp.exp(sinks2[..., None] - jnp.where(finite, lse3, 0.0)), 0.0)
-    return -jnp.sum(p_sink * D, axis=-1)
+    D = D - jnp.where(jnp.isfinite(lse3), dlse3, 0.0)
+    return osm.sink_grad(sinks2[..., None], lse3, D)
 
 
 def _backward_by_head(cfg: _Config, q4, k3, v3, bias5, aux: _Aux, out4, lse3, dout4, dlse3):
@@ -622,7 +604,7 @@ def _flash_bwd(cfg, res, cts):
     dout, dlse = cts
     dq, dk, dv, dbias = _backward_by_head(cfg, q4, k3, v3, bias5, aux, out, lse, dout, dlse)
     daux = jax.tree_util.tree_map(lambda a: np.zeros(a.shape, jax.dtypes.float0), aux)
-    dsinks = None if sinks2 is None else sink_grad(sinks2, out, lse, dout, dlse)
+    dsinks = None if sinks2 is None else _sink_grad(sinks2, out, lse, dout, dlse)
     return (dq.astype(q4.dtype), dk.astype(k3.dtype), dv.astype(v3.dtype),
             None if bias5 is None else dbias.astype(bias5.dtype), daux, dsinks)
 
