@@ -6,7 +6,8 @@ achieved FLOP/s (``4·B·H·N²·d``, halved when causal), the fraction of the d
 (XLA's ``memory_analysis``). Kernels that cannot compile here run only with ``--interpret``,
 and their times then measure the interpreter, not the kernel.
 
-Subcommands: ``python -m flashlab bench tiled ...`` runs ``flashlab.bench_tiled.main(argv)``.
+Subcommands: ``python -m flashlab bench tiled ...`` runs ``flashlab.bench_tiled.main(argv)``;
+``bench generate`` runs ``flashlab.bench_generate.main(argv)`` (KV cache vs recompute).
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ TPU_PEAK_BF16_FLOPS = {
     "7x": 2307e12,
 }
 
-SUBCOMMANDS = {"tiled": "flashlab.bench_tiled"}
+SUBCOMMANDS = {"tiled": "flashlab.bench_tiled", "generate": "flashlab.bench_generate"}
 
 QUICK_SEQ_LENS = (128, 256, 512)
 
