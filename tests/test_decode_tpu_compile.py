@@ -15,10 +15,9 @@ needs_libtpu = pytest.mark.skipif(
     reason=f"libtpu (the TPU compiler) is not installed: {tpu_compile.INSTALL}")
 
 CASES = {
-    # GQA 8:1 decode, bf16, long pages: one split per sequence (batch 8)
-    "gqa8_bf16": dict(batch=8, q_heads=32, kv_heads=4, pages_per_sequence=64),
-    # batch 1, long cache: flash-decoding splits, sinks merged as one more state
-    "split_sinks": dict(batch=1, q_heads=8, kv_heads=1, pages_per_sequence=512, sinks=True),
+    # GQA 8:1 decode, bf16, batch 1 and a long cache: flash-decoding splits, sinks merged
+    "gqa8_bf16_split_sinks": dict(batch=1, q_heads=32, kv_heads=4, pages_per_sequence=512,
+                                  sinks=True),
     # MHA chunked prefill, float32, head_dim 64, window + soft cap
     "mha_chunk_f32": dict(batch=2, q_heads=4, kv_heads=4, head_dim=64, new_tokens=4,
                           pages_per_sequence=8, dtype="float32", window=32, soft_cap=20.0),

@@ -47,7 +47,7 @@ def test_decode_sits_at_intensity_g_below_every_ridge():
 
 def test_figures_build():
     import matplotlib.pyplot as plt
-    for fig in (viz.decode_roofline_figure(length=1024, batch=2, q_heads=8),
+    for fig in (viz.decode_roofline_figure(length=1024, batch=2, q_heads=8, group_sizes=(8,)),
                 viz.paged_cache_figure(), viz.page_walk_figure()):
         assert fig.axes
         plt.close(fig)

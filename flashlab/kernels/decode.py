@@ -32,6 +32,7 @@ from ..decode_validate import DecodeSpec
 from . import _pallas_compat as compat
 from . import blocks as blk
 from ._pallas_compat import pl
+from .forward import ForwardGridSpec
 
 __all__ = ["DecodeConfig", "DecodeGridSpec", "make_decode_config", "decode_grid_spec",
            "pallas_decode", "decode_call", "choose_num_splits", "SPLIT_MIN_POSITIONS",
@@ -126,39 +127,17 @@ def visible_pages(cfg: DecodeConfig, length):
 
 
 @dataclasses.dataclass(frozen=True)
-class DecodeGridSpec:
+class DecodeGridSpec(ForwardGridSpec):
     """The decode kernel's grid and BlockSpecs, exactly the objects ``pallas_call`` gets.
 
-    Every ``index_map`` is ``(b, s, i, lengths, page_table) -> block index`` and also runs on
-    ints and NumPy arrays, so :mod:`flashlab.traffic` replays it to count the bytes moved.
+    The forward kernel's container (:class:`flashlab.kernels.forward.ForwardGridSpec`) with
+    ``config`` a :class:`DecodeConfig` and grid ``(batch, splits, pages_per_split)``. Every
+    ``index_map`` is ``(b, s, i, lengths, page_table) -> block index`` and also runs on ints and
+    NumPy arrays, so :mod:`flashlab.traffic` replays it to count the bytes moved.
     ``page_table`` is flattened to ``[batch * table_width]`` (SMEM pads 2-D arrays).
     """
 
-    config: DecodeConfig
-    grid: tuple[int, ...]
-    in_names: tuple[str, ...]
-    in_specs: tuple[Any, ...]
-    in_shapes: tuple[jax.ShapeDtypeStruct, ...]
-    out_names: tuple[str, ...]
-    out_specs: tuple[Any, ...]
-    out_shapes: tuple[jax.ShapeDtypeStruct, ...]
-    scratch_shapes: tuple[Any, ...]
-    num_scalar_prefetch: int = 2
     dimension_semantics: tuple[str, ...] = ("parallel", "parallel", "arbitrary")
-
-    def pallas_grid_spec(self):
-        return compat.PrefetchScalarGridSpec(
-            num_scalar_prefetch=self.num_scalar_prefetch, grid=self.grid,
-            in_specs=list(self.in_specs), out_specs=list(self.out_specs),
-            scratch_shapes=list(self.scratch_shapes))
-
-    def spec(self, name: str):
-        names = self.in_names + self.out_names
-        return (self.in_specs + self.out_specs)[names.index(name)]
-
-    def shape(self, name: str) -> jax.ShapeDtypeStruct:
-        names = self.in_names + self.out_names
-        return (self.in_shapes + self.out_shapes)[names.index(name)]
 
 
 def decode_grid_spec(cfg: DecodeConfig) -> DecodeGridSpec:
