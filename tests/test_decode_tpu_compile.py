@@ -31,3 +31,14 @@ def test_decode_compiles_for_every_chip(chip):
         fn, args = decode_step_case(**kw)
         report = tpu_compile.compile(fn, *args, chip=chip)
         assert report.ok, f"{name} on {chip}:\n{report.error}"
+
+
+@needs_libtpu
+@pytest.mark.parametrize("chip", ["v5e", "v6e"])
+def test_official_paged_attention_compiles_on_the_same_shapes(chip):
+    # the comparison case for static schedules (bench tpu-static): same decode step, both kernels
+    from flashlab.kernels.decode import official_paged_step_case
+    for case in (decode_step_case, official_paged_step_case):
+        fn, args = case(batch=8, q_heads=32, kv_heads=4, pages_per_sequence=64)
+        report = tpu_compile.compile(fn, *args, chip=chip)
+        assert report.ok, f"{case.__name__} on {chip}:\n{report.error}"

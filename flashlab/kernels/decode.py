@@ -36,7 +36,7 @@ from .forward import ForwardGridSpec
 
 __all__ = ["DecodeConfig", "DecodeGridSpec", "make_decode_config", "decode_grid_spec",
            "pallas_decode", "decode_call", "choose_num_splits", "SPLIT_MIN_POSITIONS",
-           "decode_step_case"]
+           "decode_step_case", "official_paged_step_case"]
 
 # Flash-decoding: split the kv axis only when each split still walks at least this many
 # positions, and only until batch * splits reaches PARALLEL_TARGET independent grid rows
@@ -323,3 +323,25 @@ def decode_step_case(*, batch: int = 8, q_heads: int = 32, kv_heads: int = 4,
                                 logits_soft_cap=soft_cap, sinks=sinks, backend="pallas_tpu",
                                 interpret=False)
     return fn, tuple(args)
+
+
+def official_paged_step_case(*, batch: int = 8, q_heads: int = 32, kv_heads: int = 4,
+                             head_dim: int = 128, page_size: int = 16,
+                             pages_per_sequence: int = 256, dtype="bfloat16",
+                             pages_per_compute_block: int = 8):
+    """``(fn, args)``: the same decode step through the official ``paged_attention`` kernel
+    (its layout: ``q [batch, q_heads, d]``, pages ``[kv_heads, num_pages, page_size, d]``), for
+    side-by-side compiles and static schedules with :func:`decode_step_case`."""
+    pa = compat.official_paged_attention()
+    dt = jnp.dtype(dtype)
+    sds = jax.ShapeDtypeStruct
+    pages = batch * pages_per_sequence
+    args = (sds((batch, q_heads, head_dim), dt),
+            sds((kv_heads, pages, page_size, head_dim), dt),
+            sds((kv_heads, pages, page_size, head_dim), dt),
+            sds((batch,), jnp.int32), sds((batch, pages_per_sequence), jnp.int32))
+
+    def fn(q, k_pages, v_pages, lengths, page_indices):
+        return pa.paged_attention(q, k_pages, v_pages, lengths, page_indices,
+                                  pages_per_compute_block=pages_per_compute_block)
+    return fn, args
