@@ -12,6 +12,7 @@ to a whole block.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import jax.numpy as jnp
@@ -80,8 +81,17 @@ def decode_step_bytes(*, lengths, q_heads: int, kv_heads: int, head_dim: int = 1
 
     Returns ``{"q", "k", "v", "m", "l", "acc"`` (kernel operands, replayed)``, "epilogue"``
     (the split-K merge in XLA: read the partial states, write the output), ``"total"``,
-    ``"lower_bound"``, ``"ratio"``, ``"num_splits"}``.
+    ``"lower_bound"``, ``"ratio"``, ``"num_splits"}``. Cached per arguments (a figure and a
+    table of the same chapter ask for the same steps).
     """
+    return dict(_decode_step_bytes(tuple(int(x) for x in np.asarray(lengths)), q_heads,
+                                   kv_heads, head_dim, page_size, new_tokens,
+                                   jnp.dtype(dtype).name, window, num_splits))
+
+
+@functools.lru_cache(maxsize=64)
+def _decode_step_bytes(lengths, q_heads, kv_heads, head_dim, page_size, new_tokens, dtype,
+                       window, num_splits) -> dict:
     kg = decode_kernel_grid(lengths=lengths, q_heads=q_heads, kv_heads=kv_heads,
                             head_dim=head_dim, page_size=page_size, new_tokens=new_tokens,
                             dtype=dtype, window=window, num_splits=num_splits)
