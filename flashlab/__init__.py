@@ -9,8 +9,11 @@ from . import adapters, api, registry
 from . import comm_model, distributed, ring_layout
 from . import kernels, roofline, tiled, traffic
 from . import conformance, leaks, profiling
+from . import decode, decode_validate, kv_cache
 from . import tpu_compile
 from .api import as_flax_attention_fn, attention, explain
+from .decode import decode_attention
+from .kv_cache import KVCache
 from .distributed import ring_attention, sharded_attention
 from .kernels import flash_attention
 from .masks import AttentionSpec, validate
@@ -32,6 +35,8 @@ def __getattr__(name):
 __all__ = [
     # the contract
     "attention", "explain", "backends", "as_flax_attention_fn",
+    # serving (chapter 12)
+    "decode_attention", "decode", "decode_validate", "KVCache", "kv_cache",
     # the rungs
     "naive_attention", "oracle_attention", "tiled_attention", "flash_attention", "sharded_attention", "ring_attention",
     # validation and the one mask description

@@ -23,7 +23,7 @@ __all__ = ["attention", "explain", "as_flax_attention_fn"]
 def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
               query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
               segment_ids=None, logits_soft_cap=None, backend: str = "auto", interpret=None,
-              explain: bool = False):
+              explain: bool = False, sinks=None):
     """Scaled dot-product attention through the backend that suits the request.
 
     Args:
@@ -39,6 +39,9 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
       segment_ids: int ``[batch, seq]`` or a pair ``(q_ids, kv_ids)``.
       logits_soft_cap: ``c > 0``: logits become ``c * tanh(logits / c)`` after scaling.
       backend: ``"auto"`` or a name from :func:`flashlab.backends`.
+      sinks: optional float ``[heads]``: a per-head logit that joins each row's softmax
+        denominator and takes no value (attention sinks, as in gpt-oss); differentiable.
+        A row with no visible key stays all zeros.
       interpret: Pallas backends off their platform: ``None`` = the backend's default (our
         kernels interpret, the official TPU kernels refuse), ``True`` = interpret (official
         kernels: TPU interpret mode), or a ``pltpu.InterpretParams``.
@@ -58,7 +61,7 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
         query, key, value, bias, mask, scale=scale, is_causal=is_causal,
         query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
         local_window_size=local_window_size, segment_ids=segment_ids,
-        logits_soft_cap=logits_soft_cap)
+        logits_soft_cap=logits_soft_cap, sinks=sinks)
     choice = registry.choose(spec, backend, interpret=interpret)
     out = registry.get(choice.backend).fn(q, k, v, spec, interpret=interpret)
     return (out, choice) if explain else out
@@ -67,7 +70,7 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
 def explain(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
             query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
             segment_ids=None, logits_soft_cap=None, backend: str = "auto",
-            interpret=None) -> registry.Choice:
+            interpret=None, sinks=None) -> registry.Choice:
     """Which backend :func:`attention` would use for these arguments, and why (runs nothing).
 
     Arrays may be ``jax.ShapeDtypeStruct``-like stand-ins only where validation can read
@@ -77,7 +80,7 @@ def explain(query, key, value, bias=None, mask=None, *, scale=None, is_causal=Fa
         query, key, value, bias, mask, scale=scale, is_causal=is_causal,
         query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
         local_window_size=local_window_size, segment_ids=segment_ids,
-        logits_soft_cap=logits_soft_cap)
+        logits_soft_cap=logits_soft_cap, sinks=sinks)
     return registry.choose(spec, backend, interpret=interpret)
 
 

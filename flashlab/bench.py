@@ -8,6 +8,7 @@ and their times then measure the interpreter, not the kernel.
 
 Subcommands: ``python -m flashlab bench tiled ...`` runs ``flashlab.bench_tiled.main(argv)``;
 ``bench tpu-static`` runs ``flashlab.bench_tpu_static`` (the TPU compiler's static schedule).
+``bench generate`` runs ``flashlab.bench_generate.main(argv)`` (KV cache vs recompute).
 """
 from __future__ import annotations
 
@@ -37,7 +38,8 @@ TPU_PEAK_BF16_FLOPS = {
     "7x": 2307e12,
 }
 
-SUBCOMMANDS = {"tiled": "flashlab.bench_tiled", "tpu-static": "flashlab.bench_tpu_static"}
+SUBCOMMANDS = {"tiled": "flashlab.bench_tiled", "tpu-static": "flashlab.bench_tpu_static",
+               "generate": "flashlab.bench_generate"}
 
 QUICK_SEQ_LENS = (128, 256, 512)
 

@@ -48,7 +48,7 @@ SHAPES = {"self": (2, 24, 24, 4, 4, 16),
 
 MASK_OPTIONS = ("none", "causal", "window_int", "window_pair", "causal_window", "seq_lengths",
                 "kv_lengths_zero", "segments", "segments_pair", "dense_mask",
-                "dense_mask_per_head", "bias", "bias_broadcast", "soft_cap", "everything")
+                "dense_mask_per_head", "bias", "bias_broadcast", "soft_cap", "sinks", "everything")
 
 # The cases a TPU-interpret-mode backend runs on CPU (each call takes ~1 s there).
 SLOW_FWD = ("none", "causal", "window_pair", "seq_lengths", "kv_lengths_zero", "segments",
@@ -96,6 +96,9 @@ def mask_kwargs(option: str, rng, B: int, T: int, S: int, N: int) -> dict:
         return {"bias": rng.standard_normal((1, 1, T, S)).astype(np.float32)}
     if option == "soft_cap":
         return {"logits_soft_cap": float(rng.uniform(0.5, 5.0))}
+    if option == "sinks":   # with a window, so some rows see few keys and the sink matters
+        return {"sinks": (2 * rng.standard_normal(N)).astype(np.float32),
+                "local_window_size": (int(rng.integers(0, 4)), 1)}
     if option == "everything":
         return {"is_causal": True, "local_window_size": (6, 2),
                 "key_value_seq_lengths": rng.integers(1, S + 1, size=B).astype(np.int32),
@@ -209,6 +212,7 @@ def _backend_or_skip(name, q, k, v, kw, *, need_grad=False):
 def _empty_rows(q, k, kw):
     """Bool [B, T, N]: rows with no visible key (oracle lse == -inf)."""
     v1 = np.ones((*k.shape[:3], 1), np.float64)
+    kw = {n: x for n, x in kw.items() if n != "sinks"}       # a sink makes every lse finite
     _, lse = oracle_attention(q, k, v1, **kw, return_lse=True)   # [B, N, T]
     return np.transpose(np.isneginf(lse), (0, 2, 1))
 

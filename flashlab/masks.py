@@ -14,7 +14,11 @@ Semantics (those of ``jax.nn.dot_product_attention`` plus flashlab's extras):
   ``jnp.tril``), ``i - left <= j <= i + right`` for ``local_window_size=(left, right)``,
   ``i < query_seq_lengths[b]`` and ``j < key_value_seq_lengths[b]``, and equal segment ids;
 * GQA/MQA: query head ``h`` reads kv head ``h // (Hq // Hk)``;
-* a query row with no visible key returns zeros, and its gradients are zeros.
+* a query row with no visible key returns zeros, and its gradients are zeros;
+* ``sinks`` ``[Hq]`` (optional, as in gpt-oss): a per-head logit that joins every row's
+  softmax denominator and takes no value, ``O_i = sum_j exp(s_ij) v_j / (exp(sink_h) +
+  sum_j exp(s_ij))``. A row with no visible key still returns zeros (the sink takes all the
+  weight and carries no value), with zero gradients for its q, k, v.
 """
 from __future__ import annotations
 
@@ -43,6 +47,7 @@ class AttentionSpec:
       kv_lengths      int32  [B]      valid key tokens per batch row
       q_segment_ids   int32  [B, Tq]
       kv_segment_ids  int32  [B, Tk]
+      sinks           float32 [Hq]    per-head sink logit (joins the denominator, no value)
 
     Static fields: shapes, dtype, ``scale``, ``is_causal``, ``window`` (left, right) and
     ``soft_cap``. ``window`` sides may be ``None`` meaning unbounded on that side.
@@ -66,6 +71,7 @@ class AttentionSpec:
     kv_lengths: jax.Array | None = None
     q_segment_ids: jax.Array | None = None
     kv_segment_ids: jax.Array | None = None
+    sinks: jax.Array | None = None
 
     @property
     def group_size(self) -> int:
@@ -99,6 +105,8 @@ class AttentionSpec:
             f.add("gqa")
         if self.q_len != self.kv_len:
             f.add("cross_attention")
+        if self.sinks is not None:
+            f.add("sinks")
         return f
 
     def dense_visible(self):
@@ -315,9 +323,22 @@ def _check_segments(seg, B, T, S):
     return jnp.asarray(q_ids, jnp.int32), jnp.asarray(kv_ids, jnp.int32)
 
 
+def _check_sinks(sinks, N):
+    if sinks is None:
+        return None
+    if not hasattr(sinks, "shape") or not hasattr(sinks, "dtype"):
+        raise TypeError(f"sinks: expected a float array [q_heads] = [{N}], got "
+                        f"{type(sinks).__name__}")
+    if _shape(sinks) != (N,):
+        raise ValueError(f"sinks: expected shape [q_heads] = [{N}], got {_shape(sinks)}")
+    if not jnp.issubdtype(sinks.dtype, jnp.floating):
+        raise TypeError(f"sinks: expected a floating dtype, got {jnp.dtype(sinks.dtype)}")
+    return jnp.asarray(sinks).astype(jnp.promote_types(sinks.dtype, jnp.float32))
+
+
 def validate(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
              query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
-             segment_ids=None, logits_soft_cap=None):
+             segment_ids=None, logits_soft_cap=None, sinks=None):
     """Check every argument once and return ``(query, key, value, spec)``.
 
     Raises ``TypeError``/``ValueError`` naming the argument, the value given and what was
@@ -352,10 +373,11 @@ def validate(query, key, value, bias=None, mask=None, *, scale=None, is_causal=F
     q_lengths = _check_lengths("query_seq_lengths", query_seq_lengths, B, T)
     kv_lengths = _check_lengths("key_value_seq_lengths", key_value_seq_lengths, B, S)
     q_seg, kv_seg = _check_segments(segment_ids, B, T, S)
+    sinks = _check_sinks(sinks, N)
     spec = AttentionSpec(
         batch=B, q_len=T, kv_len=S, num_heads=N, num_kv_heads=K, head_dim=H,
         head_dim_v=value.shape[3], dtype=jnp.dtype(query.dtype), scale=float(scale),
         is_causal=bool(is_causal), window=window, soft_cap=logits_soft_cap, bias=bias,
         mask=mask, q_lengths=q_lengths, kv_lengths=kv_lengths, q_segment_ids=q_seg,
-        kv_segment_ids=kv_seg)
+        kv_segment_ids=kv_seg, sinks=sinks)
     return query, key, value, spec

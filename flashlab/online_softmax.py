@@ -22,7 +22,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-__all__ = ["State", "init", "update", "merge", "finalize", "NEG_INF"]
+__all__ = ["State", "init", "update", "merge", "finalize", "NEG_INF", "sink_state", "sink_grad"]
 
 NEG_INF = float("-inf")
 
@@ -84,3 +84,29 @@ def finalize(state: State):
     out = jnp.where(seen[..., None], acc / l_safe[..., None], 0.0)
     lse = jnp.where(seen, m + jnp.log(l_safe), NEG_INF)
     return out, lse
+
+
+def sink_state(sink, head_dim: int) -> State:
+    """An attention sink as one more state: ``m = sink``, ``l = 1``, ``acc = 0``.
+
+    ``sink`` ``[..., Br]`` float (each row's sink logit). :func:`merge` it into a row's state
+    before :func:`finalize` and the sink joins the denominator like a key whose logit is the
+    sink and whose value is zero: ``O = acc / (l + exp(sink - m))``. A row with no visible
+    key finalizes to ``O = 0`` and ``lse = sink``.
+    """
+    m = jnp.asarray(sink, jnp.float32)
+    return State(m, jnp.ones_like(m), jnp.zeros((*m.shape, head_dim), jnp.float32))
+
+
+def sink_grad(sink, lse, D):
+    """The sink's gradient ``-sum_i p_sink,i · D_i`` over the last (row) axis.
+
+    ``lse`` ``[..., Br]`` includes the sink, ``sink`` broadcasts against it, ``D_i =
+    rowsum(dO_i ∘ O_i)`` (minus the lse cotangent, if any) ``[..., Br]``. The sink's weight
+    in row ``i`` is ``p_sink,i = exp(sink - lse_i)``; it takes no value, so only the shared
+    normalisation carries gradient to it: ``dsink = sum_i p_sink,i (0 - D_i)``. Returns
+    ``[...]`` float32.
+    """
+    finite = jnp.isfinite(lse)
+    p = jnp.where(finite, jnp.exp(sink - jnp.where(finite, lse, 0.0)), 0.0)
+    return -jnp.sum(p * D.astype(jnp.float32), axis=-1)

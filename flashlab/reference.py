@@ -18,7 +18,7 @@ __all__ = ["naive_attention", "attention_from_spec", "oracle_attention"]
 
 def naive_attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
                     query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
-                    segment_ids=None, logits_soft_cap=None):
+                    segment_ids=None, logits_soft_cap=None, sinks=None):
     """Softmax attention the textbook way.
 
     Args:
@@ -34,6 +34,8 @@ def naive_attention(query, key, value, bias=None, mask=None, *, scale=None, is_c
       segment_ids: int ``[batch, seq]`` (self-attention) or a pair ``(q_ids, kv_ids)``;
         tokens see only keys of their own segment.
       logits_soft_cap: ``c > 0``: logits become ``c * tanh(logits / c)`` after scaling.
+      sinks: optional float ``[heads]``: a per-head logit in every row's softmax
+        denominator that takes no value (``l = exp(sink) + sum_j exp(s_ij)``).
 
     Returns:
       ``[batch, q_seq, heads, head_dim]`` in the query's dtype. A query row with no visible
@@ -43,7 +45,7 @@ def naive_attention(query, key, value, bias=None, mask=None, *, scale=None, is_c
         query, key, value, bias, mask, scale=scale, is_causal=is_causal,
         query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
         local_window_size=local_window_size, segment_ids=segment_ids,
-        logits_soft_cap=logits_soft_cap)
+        logits_soft_cap=logits_soft_cap, sinks=sinks)
     return attention_from_spec(query, key, value, spec)
 
 
@@ -68,9 +70,15 @@ def attention_from_spec(query, key, value, spec: AttentionSpec):
         vis = vis & spec.mask
     s = jnp.where(vis, s, -jnp.inf)
     m = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
+    sink = None
+    if spec.sinks is not None:                           # [N] -> [1, N, 1, 1]
+        sink = spec.sinks.astype(acc)[None, :, None, None]
+        m = jnp.maximum(m, jax.lax.stop_gradient(sink))
     m = jnp.where(jnp.isfinite(m), m, 0.0)
     p = jnp.exp(s - m)                                   # [B, N, T, S]; masked -> 0
     l = jnp.sum(p, axis=-1, keepdims=True)
+    if sink is not None:
+        l = l + jnp.exp(sink - m)                        # the sink: in l, with no value
     p = p / jnp.where(l > 0, l, 1.0)                     # fully masked rows stay 0
     # P in the value dtype for the second matmul (bf16 x bf16 -> f32 on the MXU).
     p = p.reshape(B, K, G, T, S).astype(jnp.promote_types(value.dtype, jnp.float32)
@@ -82,12 +90,14 @@ def attention_from_spec(query, key, value, spec: AttentionSpec):
 
 def oracle_attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
                      query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
-                     segment_ids=None, logits_soft_cap=None, return_lse=False):
+                     segment_ids=None, logits_soft_cap=None, return_lse=False, sinks=None):
     """Float64 NumPy attention, written independently of the JAX code paths: the truth.
 
     Same arguments and layout as :func:`naive_attention` (inputs are converted to float64
     NumPy). Returns ``[batch, q_seq, heads, head_dim]`` float64 (and ``lse [batch, heads,
     q_seq]`` with ``return_lse``). Rows with no visible key are zeros (lse ``-inf``).
+    ``sinks`` ``[heads]`` joins every row's denominator; then ``lse`` includes the sink
+    (finite on rows with no visible key, whose output is still zero).
     """
     q, k, v = (np.asarray(x, np.float64) for x in (query, key, value))
     B, T, N, H = q.shape
@@ -125,9 +135,14 @@ def oracle_attention(query, key, value, bias=None, mask=None, *, scale=None, is_
         vis &= (qs[:, :, None] == ks[:, None, :])[:, None]
     s = np.where(vis, s, -np.inf)
     m = s.max(axis=-1, keepdims=True)
+    if sinks is not None:
+        sink = np.asarray(sinks, np.float64)[None, :, None, None]     # [1, N, 1, 1]
+        m = np.maximum(m, sink)
     m = np.where(np.isfinite(m), m, 0.0)
     p = np.where(vis, np.exp(s - m), 0.0)
     l = p.sum(axis=-1, keepdims=True)
+    if sinks is not None:
+        l = l + np.exp(sink - m)
     p = p / np.where(l > 0, l, 1.0)
     out = np.einsum("bhts,bshd->bthd", p, v)
     if return_lse:

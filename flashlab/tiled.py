@@ -53,13 +53,16 @@ DEFAULT_BLOCK_K = 512
 
 def tiled_attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
                     query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
-                    segment_ids=None, logits_soft_cap=None, block_q=None, block_k=None):
+                    segment_ids=None, logits_soft_cap=None, block_q=None, block_k=None,
+                    sinks=None):
     """Blockwise (FlashAttention) attention: same arguments and results as ``naive_attention``.
 
     Args:
       query: ``[batch, q_seq, heads, d]``.
       key, value: ``[batch, kv_seq, kv_heads, d]``.
-      bias, mask: as in :func:`flashlab.reference.naive_attention`, like the mask keywords.
+      bias, mask: as in :func:`flashlab.reference.naive_attention`, like the mask keywords
+        and ``sinks`` (merged into each row's state as one more block: a key with logit
+        ``sink`` and no value).
       block_q, block_k: query/key block sizes (B_r, B_c), positive ints; default
         ``DEFAULT_BLOCK_Q``/``DEFAULT_BLOCK_K`` (clipped to the sequence lengths). Any
         sequence length works: the last block is padded internally and the padding masked.
@@ -72,7 +75,7 @@ def tiled_attention(query, key, value, bias=None, mask=None, *, scale=None, is_c
         query, key, value, bias, mask, scale=scale, is_causal=is_causal,
         query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
         local_window_size=local_window_size, segment_ids=segment_ids,
-        logits_soft_cap=logits_soft_cap)
+        logits_soft_cap=logits_soft_cap, sinks=sinks)
     return tiled_attention_from_spec(query, key, value, spec, block_q=block_q, block_k=block_k)
 
 
@@ -115,7 +118,11 @@ def _with_lse(query, key, value, spec: AttentionSpec, bq: int, bk: int):
                q_lengths=spec.q_lengths, kv_lengths=spec.kv_lengths,
                q_seg=None if spec.q_segment_ids is None else _pad(spec.q_segment_ids, 1, Tp),
                kv_seg=None if spec.kv_segment_ids is None else _pad(spec.kv_segment_ids, 1, Sp))
-    out4, lse3 = _flash(cfg, q4, k3, v3, bias5, aux)
+    sinks2 = None                       # [N] -> [B·K, G], the rows layout of the heads
+    if spec.sinks is not None:
+        sinks2 = jnp.tile(spec.sinks.astype(jnp.float32).reshape(1, K, G), (B, 1, 1))
+        sinks2 = sinks2.reshape(B * K, G)
+    out4, lse3 = _flash(cfg, q4, k3, v3, bias5, aux, sinks2)
     out = out4[:, :, :T].reshape(B, K, G, T, Hv).transpose(0, 3, 1, 2, 4).reshape(B, T, N, Hv)
     lse = lse3[:, :, :T].reshape(B, N, T)
     return out.astype(query.dtype), lse
@@ -397,8 +404,8 @@ def _q_rows(x4, cfg, i):
     return blk.reshape(blk.shape[0], -1, blk.shape[-1])
 
 
-def _forward(cfg: _Config, q4, k3, v3, bias5, aux: _Aux):
-    """``(out [BK, G, Tp, d_v] float32, lse [BK, G, Tp] float32)``."""
+def _forward(cfg: _Config, q4, k3, v3, bias5, aux: _Aux, sinks2=None):
+    """``(out [BK, G, Tp, d_v] float32, lse [BK, G, Tp] float32)``; ``sinks2 [BK, G]``."""
     BK, G, Tp, _ = q4.shape
     Hv = v3.shape[-1]
     ranges, used = _tables(cfg, aux, transposed=False)              # [4, Tr]
@@ -420,6 +427,8 @@ def _forward(cfg: _Config, q4, k3, v3, bias5, aux: _Aux):
                          col_len=aux.kv_lengths, col_block=cfg.bk)
         state = _three_loops(bounds, used, kv_step(True), kv_step(False),
                              osm.init((BK, G * cfg.bq), Hv))
+        if sinks2 is not None:
+            state = osm.merge(state, osm.sink_state(jnp.repeat(sinks2, cfg.bq, axis=-1), Hv))
         out, lse = osm.finalize(state)
         return out.reshape(BK, G, cfg.bq, Hv), lse.reshape(BK, G, cfg.bq)
 
@@ -537,14 +546,23 @@ def _head_slice(cfg: _Config, h, bias5, aux: _Aux):
     return dataclasses.replace(cfg, B=1, K=1), five(bias5), aux1
 
 
-def _forward_by_head(cfg: _Config, q4, k3, v3, bias5, aux: _Aux):
+def _forward_by_head(cfg: _Config, q4, k3, v3, bias5, aux: _Aux, sinks2=None):
     """:func:`_forward`, one (batch, kv head) per step: ``out [BK, G, Tp, d_v]``, ``lse``."""
     def one(xs):
-        h, q1, k1, v1 = xs
+        h, q1, k1, v1, s1 = xs
         cfg1, bias1, aux1 = _head_slice(cfg, h, bias5, aux)
-        out, lse = _forward(cfg1, q1[None], k1[None], v1[None], bias1, aux1)
+        out, lse = _forward(cfg1, q1[None], k1[None], v1[None], bias1, aux1,
+                            None if sinks2 is None else s1[None])
         return out[0], lse[0]
-    return jax.lax.map(one, (jnp.arange(q4.shape[0]), q4, k3, v3))
+    s = jnp.zeros((q4.shape[0], 0)) if sinks2 is None else sinks2
+    return jax.lax.map(one, (jnp.arange(q4.shape[0]), q4, k3, v3, s))
+
+
+def _sink_grad(sinks2, out4, lse3, dout4, dlse3):
+    """``dsink [BK, G]`` from the residuals (:func:`flashlab.online_softmax.sink_grad`)."""
+    D = jnp.sum(dout4.astype(jnp.float32) * out4.astype(jnp.float32), axis=-1)  # [BK, G, Tp]
+    D = D - jnp.where(jnp.isfinite(lse3), dlse3, 0.0)
+    return osm.sink_grad(sinks2[..., None], lse3, D)
 
 
 def _backward_by_head(cfg: _Config, q4, k3, v3, bias5, aux: _Aux, out4, lse3, dout4, dlse3):
@@ -569,23 +587,26 @@ def _backward_by_head(cfg: _Config, q4, k3, v3, bias5, aux: _Aux, out4, lse3, do
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(cfg, q4, k3, v3, bias5, aux):
-    return _forward_by_head(cfg, q4, k3, v3, bias5, aux)
+def _flash(cfg, q4, k3, v3, bias5, aux, sinks2=None):
+    return _forward_by_head(cfg, q4, k3, v3, bias5, aux, sinks2)
 
 
-def _flash_fwd(cfg, q4, k3, v3, bias5, aux):
-    out, lse = _forward_by_head(cfg, q4, k3, v3, bias5, aux)
+def _flash_fwd(cfg, q4, k3, v3, bias5, aux, sinks2=None):
+    out, lse = _forward_by_head(cfg, q4, k3, v3, bias5, aux, sinks2)
     # Residuals are O(N): inputs, O (in the input dtype) and lse. No N×M array survives.
-    return (out, lse), (q4, k3, v3, bias5, aux, out.astype(q4.dtype), lse)
+    # With sinks, O and lse already include the sink, so the backward below is unchanged:
+    # P = exp(S - lse) is the sink-normalised softmax and D = rowsum(dO ∘ O) is exact.
+    return (out, lse), (q4, k3, v3, bias5, aux, out.astype(q4.dtype), lse, sinks2)
 
 
 def _flash_bwd(cfg, res, cts):
-    q4, k3, v3, bias5, aux, out, lse = res
+    q4, k3, v3, bias5, aux, out, lse, sinks2 = res
     dout, dlse = cts
     dq, dk, dv, dbias = _backward_by_head(cfg, q4, k3, v3, bias5, aux, out, lse, dout, dlse)
     daux = jax.tree_util.tree_map(lambda a: np.zeros(a.shape, jax.dtypes.float0), aux)
+    dsinks = None if sinks2 is None else _sink_grad(sinks2, out, lse, dout, dlse)
     return (dq.astype(q4.dtype), dk.astype(k3.dtype), dv.astype(v3.dtype),
-            None if bias5 is None else dbias.astype(bias5.dtype), daux)
+            None if bias5 is None else dbias.astype(bias5.dtype), daux, dsinks)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)

@@ -70,6 +70,7 @@ class ForwardConfig:
     mask_kv_len: bool = False       # kv lengths given or kv padding: keys past it are masked
     return_lse: bool = False
     chip: str | None = None         # the TPU generation the blocks and VMEM limit are for
+    has_sinks: bool = False         # sinks [Hq]: merged into each row's state at finalize
 
     @property
     def group_size(self) -> int:
@@ -137,7 +138,7 @@ def make_config(spec: AttentionSpec, *, block_q=None, block_k=None, return_lse=F
         mask_bcast=bcast(spec.mask), has_segments=spec.q_segment_ids is not None,
         mask_q_len=spec.q_lengths is not None,
         mask_kv_len=spec.kv_lengths is not None or blk.round_up(spec.kv_len, int(block_k)) != spec.kv_len,
-        return_lse=return_lse, chip=chip)
+        return_lse=return_lse, chip=chip, has_sinks=spec.sinks is not None)
     return cfg
 
 
@@ -271,6 +272,10 @@ def forward_grid_spec(cfg: ForwardConfig) -> ForwardGridSpec:
               sds((B, cfg.num_kv_heads, Sp, Dvp), cfg.dtype)]
     n2, s2, sh2 = mask_operands(cfg, maps.scores_for, maps.q_seg, maps.kv_seg)
     names, specs, shapes = names + n2, specs + s2, shapes + sh2
+    if cfg.has_sinks:    # one (8, 128) tile per head holding its sink logit
+        names.append("sinks")
+        specs.append(pl.BlockSpec((None, blk.SUBLANES, blk.LANES), _sinks_index_map))
+        shapes.append(sds((N, blk.SUBLANES, blk.LANES), jnp.float32))
     out_names = ["o"]
     out_specs = [pl.BlockSpec((None, None, bq, Dvp), q_index_map)]
     out_shapes = [sds((B, N, Tp, Dvp), cfg.dtype)]
@@ -285,6 +290,16 @@ def forward_grid_spec(cfg: ForwardConfig) -> ForwardGridSpec:
                            in_specs=tuple(specs), in_shapes=tuple(shapes),
                            out_names=tuple(out_names), out_specs=tuple(out_specs),
                            out_shapes=tuple(out_shapes), scratch_shapes=scratch)
+
+
+def _sinks_index_map(b, h, i, j, q_lengths, kv_lengths):
+    return (h, 0, 0)
+
+
+def sinks_operand(sinks):
+    """``sinks [N]`` -> the kernel operand ``[N, 8, 128]`` float32 (one tile per head)."""
+    return jnp.broadcast_to(sinks.astype(jnp.float32)[:, None, None],
+                            (sinks.shape[0], blk.SUBLANES, blk.LANES))
 
 
 # ----------------------------------------------------------------------------- the kernel
@@ -361,6 +376,9 @@ def _forward_kernel(q_lengths_ref, kv_lengths_ref, *refs, cfg: ForwardConfig, na
     def _finalize():                                              # O_i = acc / l
         state = online_softmax.State(jnp.max(m_ref[...], axis=-1), jnp.max(l_ref[...], axis=-1),
                                      acc_ref[...])
+        if cfg.has_sinks:                                         # + exp(sink - m) in l
+            sink = jnp.full(state.m.shape, jnp.max(ins["sinks"][...]), jnp.float32)
+            state = online_softmax.merge(state, online_softmax.sink_state(sink, acc_ref.shape[-1]))
         o, lse = online_softmax.finalize(state)
         outs[0][...] = o.astype(outs[0].dtype)
         if cfg.return_lse:
@@ -387,7 +405,7 @@ def _cost_estimate(cfg: ForwardConfig, gs: ForwardGridSpec) -> Any:
 
     read = 0
     for name in gs.in_names:
-        if name in ("q", "q_segment_ids"):      # once per (b, h, i)
+        if name in ("q", "q_segment_ids", "sinks"):      # once per (b, h, i)
             read += bh * cfg.num_q_blocks * block_bytes(name)
         else:                                   # once per computed (b, h, i, j)
             read += pairs * block_bytes(name)
@@ -445,6 +463,8 @@ def _prepare(cfg: ForwardConfig, query, key, value, spec: AttentionSpec):
 @functools.partial(jax.jit, static_argnames=("cfg", "interpret"))
 def _forward(query, key, value, spec, *, cfg: ForwardConfig, interpret):
     q_lengths, kv_lengths, ops = _prepare(cfg, query, key, value, spec)
+    if cfg.has_sinks:            # forward only: the backward kernels never read the sink
+        ops.append(sinks_operand(spec.sinks))
     outs = _pallas_forward(cfg, interpret, q_lengths, kv_lengths, *ops)
     o = jnp.swapaxes(outs[0][:, :, :cfg.q_len, :cfg.head_dim_v], 1, 2)   # [B, T, N, d_v]
     lse = outs[1][:, :, :cfg.q_len, 0] if cfg.return_lse else None      # [B, N, T]
@@ -482,10 +502,19 @@ def _attention_bwd(cfg, bwd_cfg, interpret, residuals, d_out):
     d_spec = jax.tree_util.tree_map(lambda _: None, spec)
     if dbias is not None:
         d_spec = dataclasses.replace(d_spec, bias=dbias)
+    if spec.sinks is not None:   # O and lse include the sink, so the kernels' dQ/dK/dV hold
+        d_spec = dataclasses.replace(d_spec, sinks=_sink_grad(spec.sinks, out, lse, d_out))
     return dq, dk, dv, d_spec
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
+
+
+def _sink_grad(sinks, out, lse, d_out):
+    """``dsinks [N]``: ``-sum_{b,i} exp(sink - lse) D_i`` (an O(N·d) XLA fusion, no kernel)."""
+    di = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)   # [B, T, N]
+    d = online_softmax.sink_grad(sinks[None, :, None], lse, jnp.swapaxes(di, 1, 2))  # [B, N]
+    return jnp.sum(d, axis=0).astype(sinks.dtype)
 
 
 def _resolve_interpret(interpret):
@@ -518,7 +547,7 @@ def flash_attention_forward(query, key, value, spec: AttentionSpec, *, block_q=N
 def flash_attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
                     query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
                     segment_ids=None, logits_soft_cap=None, block_q=None, block_k=None,
-                    interpret=None, chip=None):
+                    interpret=None, chip=None, sinks=None):
     """FlashAttention forward as a Pallas TPU kernel.
 
     Same arguments, semantics and validation as :func:`flashlab.reference.naive_attention`
@@ -536,6 +565,8 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None, is_c
         backward. ``None`` (default) reads the compile target: the chip
         :func:`flashlab.tpu_compile.compile` compiles for, or the TPU devices of the mesh being
         traced under, else this host's TPU, else ``v5e``. An explicit ``chip`` wins.
+      sinks: optional float ``[heads]`` sink logits, merged into each row's state at the
+        last kv step (``online_softmax.sink_state``); differentiable.
 
     Returns ``[batch, q_seq, heads, head_dim_v]`` in the query's dtype (fp32 accumulation).
     Rows with no visible key are zeros, with zero gradients. Differentiable (``jax.grad``
@@ -548,6 +579,6 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None, is_c
         query, key, value, bias, mask, scale=scale, is_causal=is_causal,
         query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
         local_window_size=local_window_size, segment_ids=segment_ids,
-        logits_soft_cap=logits_soft_cap)
+        logits_soft_cap=logits_soft_cap, sinks=sinks)
     return flash_attention_from_spec(query, key, value, spec, block_q=block_q, block_k=block_k,
                                      interpret=interpret, chip=chip)

@@ -7,12 +7,15 @@
 - :mod:`~flashlab.models.transformer`: :class:`DocumentModel`, a ``flax.nnx`` transformer whose
   attention is :func:`flashlab.as_flax_attention_fn` for any backend.
 - :mod:`~flashlab.models.training`: :func:`train` (plain Adam, tqdm progress).
+- :mod:`~flashlab.models.generation`: :func:`generate` (greedy, chunked prefill then decode
+  through :class:`flashlab.KVCache`) and :func:`generate_without_cache` (the baseline).
 - :mod:`~flashlab.models.memory`: peak memory of a long-document forward in a child process
   under an address-space cap.
 
 Needs ``flax`` (``pip install "flashlab[flax]"``).
 """
 from .corpus import KEY, PAD, key_seen, make_documents
+from .generation import generate, generate_without_cache, init_caches
 from .memory import forward_memories, forward_memory
 from .packing import Batch, pack, pad, unpack
 from .training import TrainConfig, train, train_model
@@ -20,4 +23,4 @@ from .transformer import DocumentModel, ModelConfig
 
 __all__ = ["KEY", "PAD", "key_seen", "make_documents", "Batch", "pack", "pad", "unpack",
            "ModelConfig", "DocumentModel", "TrainConfig", "train", "train_model", "forward_memory",
-           "forward_memories"]
+           "forward_memories", "generate", "generate_without_cache", "init_caches"]

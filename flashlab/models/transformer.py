@@ -14,6 +14,12 @@ documents are kept apart (``ModelConfig.attention``):
 
 Both modes share the same parameters (the projections are the MultiHeadAttention's), so one
 model can be run either way.
+
+Generation (chapter 12): attention is causal, so a model whose head has one class per token
+(``num_labels == vocab_size``) is a next-token language model. :meth:`DocumentModel.step`
+runs new tokens through per-layer :class:`flashlab.KVCache` s with
+:func:`flashlab.decode_attention` instead of attending over the whole prefix again;
+:func:`flashlab.models.generate` drives it (chunked prefill, then decode).
 """
 from __future__ import annotations
 
@@ -81,7 +87,25 @@ class Block(nnx.Module):
 
     def __call__(self, x, segment_ids):
         x = x + self.attend(self.norm1(x), segment_ids)
+        return self.feed_forward(x)
+
+    def feed_forward(self, x):
+        """``x + mlp(norm(x))``: ``[B, T, d_model]`` -> same shape."""
         return x + self.mlp_out(jax.nn.gelu(self.mlp_in(self.norm2(x))))
+
+    def step(self, x, cache, backend: str = "auto"):
+        """The block on ``n`` new tokens ``x [B, n, d_model]`` of one document per row.
+
+        Their keys/values join ``cache`` (a :class:`flashlab.KVCache`), and they attend over
+        it with :func:`flashlab.decode_attention` (causal within the row's cache: the same
+        numbers as :meth:`__call__` on the whole prefix). Returns ``(x, cache)``.
+        """
+        a = self.attn
+        h = self.norm1(x)
+        q, k, v = a.query(h), a.key(h), a.value(h)                 # [B, n, heads, head_dim]
+        cache = cache.append(k.astype(cache.k.dtype), v.astype(cache.v.dtype))
+        o = cache.attend(q.astype(cache.k.dtype), backend=backend)
+        return self.feed_forward(x + a.out(o.astype(x.dtype))), cache
 
 
 def sinusoidal_positions(positions, d_model: int):
@@ -119,3 +143,18 @@ class DocumentModel(nnx.Module):
         for block in self.blocks:
             x = block(x, segment_ids)
         return self.head(self.norm(x))                             # [B, T, num_labels]
+
+    def step(self, tokens, positions, caches, backend: str = "auto"):
+        """Run ``n`` new tokens per row through the caches: the serving path.
+
+        ``tokens``/``positions`` int ``[B, n]`` (one document per row, positions continuing
+        each row's cache), ``caches`` one :class:`flashlab.KVCache` per block. Returns
+        ``(logits [B, n, num_labels] float32, caches)``; the logits equal ``self(...)``'s at
+        those positions. ``backend`` names a :func:`flashlab.decode_attention` backend.
+        """
+        x = self.embed(tokens) + sinusoidal_positions(positions, self.cfg.d_model)
+        new = []
+        for block, cache in zip(self.blocks, caches):
+            x, cache = block.step(x, cache, backend)
+            new.append(cache)
+        return self.head(self.norm(x)), new
