@@ -112,28 +112,28 @@ def _run(backend, q, k, v, kw, traced):
     return np.asarray(f(q, k, v, traced))
 
 
-def _check(backend, case):
+def _check(backends, case):
     shape, kw, traced = case
     q, k, v = _qkv(shape)
     ref, empty = _expected(q, k, v, kw, traced)
-    out = _run(backend, q, k, v, kw, traced)
-    assert out.shape == ref.shape
-    np.testing.assert_array_equal(out[empty], 0.0)
-    np.testing.assert_allclose(out[~empty], ref[~empty], atol=ATOL, rtol=0)
+    for backend in backends:
+        out = _run(backend, q, k, v, kw, traced)
+        assert out.shape == ref.shape
+        np.testing.assert_array_equal(out[empty], 0.0)
+        np.testing.assert_allclose(out[~empty], ref[~empty], atol=ATOL, rtol=0, err_msg=backend)
 
 
-@pytest.mark.parametrize("backend", FAST)
-@settings(max_examples=25)
+@settings(max_examples=15)
 @given(case=cases())
-def test_jax_nn_parity_breadth(backend, case):
-    _check(backend, case)
+def test_jax_nn_parity_breadth(case):
+    _check(FAST, case)
 
 
 @pytest.mark.parametrize("backend", KERNELS)
-@settings(max_examples=4)
+@settings(max_examples=3)
 @given(case=cases(shapes=(0,)))
 def test_jax_nn_parity_kernels(backend, case):
-    _check(backend, case)
+    _check([backend], case)
 
 
 @pytest.mark.parametrize("backend", ALL)
@@ -145,10 +145,10 @@ def test_broadcast_bias_gradient_has_the_bias_shape(backend):
     bias = r.standard_normal((2, 1, 1, 8)).astype(np.float32)
     mask = r.random((2, 1, 1, 8)) > 0.2
     loss = lambda f, q, b: (f(q, b) ** 2).sum()  # noqa: E731
-    ours = jax.grad(lambda q, b: loss(lambda q, b: flashlab.attention(
-        q, k, v, b, mask, backend=backend), q, b), argnums=(0, 1))(q, bias)
-    theirs = jax.grad(lambda q, b: loss(lambda q, b: jax.nn.dot_product_attention(
-        q, k, v, b, mask), q, b), argnums=(0, 1))(q, bias)
+    ours = jax.jit(jax.grad(lambda q, b: loss(lambda q, b: flashlab.attention(
+        q, k, v, b, mask, backend=backend), q, b), argnums=(0, 1)))(q, bias)
+    theirs = jax.jit(jax.grad(lambda q, b: loss(lambda q, b: jax.nn.dot_product_attention(
+        q, k, v, b, mask), q, b), argnums=(0, 1)))(q, bias)
     assert ours[1].shape == bias.shape
     for a, b in zip(ours, theirs):
         np.testing.assert_allclose(a, b, atol=GTOL, rtol=0)
@@ -192,11 +192,11 @@ def test_nan_and_inf_propagate_like_jax_nn_but_empty_rows_are_zero(backend):
         assert np.isnan(out).any()
     out = np.asarray(flashlab.attention(q, k, v, bias, is_causal=True, backend=backend))
     assert not np.isnan(out).any() and np.all(out[0, 6, 2] == 0)
-    g = jax.grad(lambda q: flashlab.attention(q, k, v, bias, is_causal=True,
-                                              backend=backend).sum())(q)
+    g = jax.jit(jax.grad(lambda q: flashlab.attention(q, k, v, bias, is_causal=True,
+                                                      backend=backend).sum()))(q)
     assert np.isfinite(g).all() and np.all(g[0, 6, 2] == 0)
-    gn = jax.grad(lambda q: flashlab.attention(q, k, v, is_causal=True,
-                                               backend=backend).sum())(qn)
+    gn = jax.jit(jax.grad(lambda q: flashlab.attention(q, k, v, is_causal=True,
+                                                       backend=backend).sum()))(qn)
     assert np.isnan(gn[0, 3, 1]).all(), "the gradient of a NaN row must be NaN"
 
 
@@ -221,7 +221,8 @@ def test_scale_is_data_learnable_and_does_not_recompile(backend):
     q, k, v = _qkv(SHAPES[0])
     kr, vr = np.repeat(k, 2, 2), np.repeat(v, 2, 2)
     t = jnp.float32(0.3)
-    ours = jax.grad(lambda t: flashlab.attention(q, k, v, scale=t, backend=backend).sum())(t)
+    ours = jax.jit(jax.grad(lambda t: flashlab.attention(q, k, v, scale=t,
+                                                         backend=backend).sum()))(t)
     theirs = jax.grad(lambda t: jax.nn.dot_product_attention(q, kr, vr, scale=t).sum())(t)
     np.testing.assert_allclose(ours, theirs, rtol=1e-5)
     f = jax.jit(lambda q, s: flashlab.attention(q, k, v, scale=s, backend=backend))
@@ -275,9 +276,9 @@ def test_int64_segment_ids_and_float64_are_exact():
         seg = np.array([[0, 0, 0, 2**32, 2**32, 2**32, 0, 0]] * 2, np.int64)
         same = (seg == 0).astype(np.int32)
         want = flashlab.attention(q, k, v, segment_ids=same, backend="reference")
-        for backend in ALL:
-            np.testing.assert_allclose(flashlab.attention(q, k, v, segment_ids=seg,
-                                                          backend=backend), want, atol=ATOL)
+        np.testing.assert_allclose(flashlab.attention(q, k, v, segment_ids=seg,
+                                                      backend="reference"), want, atol=ATOL)
+        for backend in KERNELS:      # they narrow ids to int32 inside: ranks, traced too
             traced = jax.jit(lambda s: flashlab.attention(q, k, v, segment_ids=s,
                                                           backend=backend))(seg)
             np.testing.assert_allclose(traced, want, atol=ATOL)
