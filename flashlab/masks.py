@@ -330,7 +330,8 @@ def _check_lengths(name, x, B, limit):
 def _check_window(w):
     if w is None:
         return None
-    if isinstance(w, (jax.Array, np.ndarray)) and not isinstance(w, jax.core.Tracer) and w.ndim == 0:
+    concrete = isinstance(w, (jax.Array, np.ndarray)) and not isinstance(w, jax.core.Tracer)
+    if concrete and w.ndim == 0:
         w = w.item()                        # a concrete NumPy/JAX integer scalar
     if isinstance(w, (int, np.integer)) and not isinstance(w, bool):
         w = (int(w), int(w))
@@ -400,7 +401,9 @@ def _segments_int32(q_ids, kv_ids):
 
 def _check_is_causal(is_causal) -> bool:
     """A Python/NumPy bool or a concrete JAX/NumPy 0-d bool array (static: it picks code)."""
-    if isinstance(is_causal, (jax.Array, np.ndarray)) and not isinstance(is_causal, jax.core.Tracer):
+    concrete = (isinstance(is_causal, (jax.Array, np.ndarray))
+                and not isinstance(is_causal, jax.core.Tracer))
+    if concrete:
         if is_causal.shape == () and jnp.dtype(is_causal.dtype) == jnp.dtype(bool):
             return bool(is_causal)
     if isinstance(is_causal, jax.core.Tracer):
@@ -429,7 +432,8 @@ def _check_scale(scale, query):
             raise TypeError(f"scale: expected a number or a scalar array, got {scale!r}")
         if _shape(scale) != ():
             raise ValueError(f"scale: expected a scalar, got shape {_shape(scale)}")
-        if not (jnp.issubdtype(scale.dtype, jnp.floating) or jnp.issubdtype(scale.dtype, jnp.integer)):
+        dt = scale.dtype
+        if not (jnp.issubdtype(dt, jnp.floating) or jnp.issubdtype(dt, jnp.integer)):
             raise TypeError(f"scale: expected a real dtype, got {scale.dtype}")
     if not isinstance(scale, jax.core.Tracer) and not math.isfinite(float(scale)):
         raise ValueError(f"scale: expected a finite number, got {scale!r}")
