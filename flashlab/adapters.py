@@ -11,6 +11,7 @@ lazily so that this module imports on any branch.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 
@@ -22,22 +23,44 @@ from . import device
 from .masks import AttentionSpec
 
 __all__ = ["reference_fn", "xla_fn", "cudnn_fn", "tiled_fn", "pallas_tpu_fn",
-           "jax_pallas_flash_fn", "splash_fn", "zero_invisible_rows", "OFFICIAL_BLOCK"]
+           "jax_pallas_flash_fn", "splash_fn", "zero_invisible_rows", "blank_bias_as_mask",
+           "OFFICIAL_BLOCK"]
 
 OFFICIAL_BLOCK = 128   # the official TPU kernels' default block (and minimum lane multiple)
 
 
 # ----------------------------------------------------------------------------- helpers
 
-def zero_invisible_rows(out, spec: AttentionSpec):
+def zero_invisible_rows(out, spec: AttentionSpec, mask=None):
     """Enforce the zero-row contract on ``out [B, T, N, Dv]``: rows with no visible key -> 0.
 
     ``jnp.where`` also zeroes the cotangent flowing into those rows, so their gradients are
     exactly zero whatever the backend did inside (mean(V) rows, large finite mask values).
+    ``mask`` replaces ``spec.mask`` (e.g. the one of :func:`blank_bias_as_mask`).
     """
+    if mask is not None:
+        spec = dataclasses.replace(spec, mask=mask)
     has_key = spec.dense_visible().any(axis=-1)           # [B|1, N|1, T]
     has_key = jnp.transpose(has_key, (0, 2, 1))[..., None]  # [B|1, T, N|1, 1]
     return jnp.where(has_key, out, jnp.zeros((), out.dtype))
+
+
+def blank_bias_as_mask(spec: AttentionSpec):
+    """``(bias, mask)`` with the bias's ``-inf`` entries moved into the mask.
+
+    The contract's logits are ``-inf`` where the bias is ``-inf``; a row whose every logit is
+    ``-inf`` has no visible key and returns 0. Libraries that mask with a large *finite*
+    value (jax.nn, the official kernels) would give NaN (``-inf - -inf``) or mean(V) for such
+    a row, so the adapters hand them a bias with those entries at 0 and a mask that hides
+    them, and :func:`zero_invisible_rows` then zeroes the rows this mask leaves empty. A NaN
+    or ``+inf`` bias stays in the bias: NaN logits must come out NaN. The mask stays
+    ``[B|1, N|1, T, S]`` like the bias (never broadcast to ``[B, N, T, S]``).
+    """
+    if spec.bias is None:
+        return None, spec.mask
+    blank = spec.bias == -jnp.inf
+    bias = jnp.where(blank, jnp.zeros((), spec.bias.dtype), spec.bias)
+    return bias, _and_masks(spec.mask, jnp.logical_not(blank))
 
 
 def _window_ints(spec: AttentionSpec):
@@ -82,13 +105,15 @@ def reference_fn(query, key, value, spec, *, interpret=None):
 
 def _jax_nn(query, key, value, spec, implementation):
     # Segment ids become part of the dense boolean mask: jax.nn has no segment argument.
-    mask = _and_masks(spec.mask, _segment_mask(spec))
+    # A -inf bias entry becomes a masked one (jax.nn would give NaN for a row of them).
+    bias, mask = blank_bias_as_mask(spec)
     out = jax.nn.dot_product_attention(
-        query, key, value, spec.bias, mask, scale=spec.scale, is_causal=spec.is_causal,
-        query_seq_lengths=spec.q_lengths, key_value_seq_lengths=spec.kv_lengths,
-        local_window_size=_window_ints(spec), implementation=implementation)
+        query, key, value, bias, _and_masks(mask, _segment_mask(spec)), scale=spec.scale,
+        is_causal=spec.is_causal, query_seq_lengths=spec.q_lengths,
+        key_value_seq_lengths=spec.kv_lengths, local_window_size=_window_ints(spec),
+        implementation=implementation)
     # jax.nn masks with a large finite value: a row with no visible key would be mean(V).
-    return zero_invisible_rows(out, spec)
+    return zero_invisible_rows(out, spec, mask)
 
 
 def xla_fn(query, key, value, spec, *, interpret=None):
@@ -216,12 +241,13 @@ def jax_pallas_flash_fn(query, key, value, spec, *, interpret=None):
     # [B, T, N, D] -> [B, N, T, D], padded along the sequence.
     q, k, v = (_pad_to(jnp.swapaxes(x, 1, 2), 2, blk) for x in (query, key, value))
     ab = None
-    if spec.bias is not None or spec.mask is not None:
+    bias, mask = blank_bias_as_mask(spec)
+    if bias is not None or mask is not None:
         ab = jnp.zeros((1, 1, T, S), jnp.float32)
-        if spec.bias is not None:
-            ab = ab + spec.bias.astype(jnp.float32) / spec.scale
-        if spec.mask is not None:
-            ab = jnp.where(spec.mask, ab, -1e30)
+        if bias is not None:
+            ab = ab + bias.astype(jnp.float32) / spec.scale
+        if mask is not None:
+            ab = jnp.where(mask, ab, -1e30)
         ab = jnp.broadcast_to(ab, (B, N, T, S))
         ab = _pad_to(_pad_to(ab, 2, blk), 3, blk)
     seg = _padded_segment_ids(spec, Tp, Sp)
@@ -236,7 +262,7 @@ def jax_pallas_flash_fn(query, key, value, spec, *, interpret=None):
 
     out = _under_tpu_interpret(run, _tpu_interpret_params(interpret))(q, k, v, ab, seg)
     out = jnp.swapaxes(out[:, :, :T], 1, 2)               # [B, T, N, D]
-    return zero_invisible_rows(out, spec)
+    return zero_invisible_rows(out, spec, mask)
 
 
 def _python_map(f, *xs):

@@ -23,17 +23,24 @@ __all__ = ["attention", "explain", "as_flax_attention_fn"]
 def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
               query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
               segment_ids=None, logits_soft_cap=None, backend: str = "auto", interpret=None,
-              explain: bool = False, sinks=None):
+              explain: bool = False, sinks=None, implementation: str | None = None,
+              return_residual: bool = False):
     """Scaled dot-product attention through the backend that suits the request.
 
     Args:
-      query: ``[batch, q_seq, heads, head_dim]`` float array.
+      query: ``[batch, q_seq, heads, head_dim]`` float array, or unbatched
+        ``[q_seq, heads, head_dim]`` (as jax.nn: key/value may then be rank 3 too, and the
+        result has the query's rank). Python lists are accepted as jax.nn accepts them.
       key, value: ``[batch, kv_seq, kv_heads, head_dim]``; ``heads`` a multiple of
         ``kv_heads`` (GQA/MQA: query head ``h`` reads kv head ``h // (heads // kv_heads)``).
-      bias: optional float ``[batch or 1, heads or 1, q_seq, kv_seq]`` added to the logits.
+      bias: optional, broadcastable as in jax.nn to ``[batch, heads, q_seq, kv_seq]`` (rank
+        <= 4, leading ones added, each dim 1 or full), added to the logits; integer/bool
+        biases become float. Its gradient has its own shape.
       mask: optional bool, same shape rule; True = visible.
-      scale: logit scale, default ``1/sqrt(head_dim)``.
-      is_causal: key ``j`` visible from query ``i`` only if ``j <= i`` (top-left aligned).
+      scale: logit scale, default ``1/sqrt(head_dim)``; a number, NumPy/JAX scalar or traced
+        value (data, not a compile-time constant: learnable, no recompile per value).
+      is_causal: key ``j`` visible from query ``i`` only if ``j <= i`` (top-left aligned);
+        a Python/NumPy bool or a concrete JAX bool.
       query_seq_lengths, key_value_seq_lengths: optional int ``[batch]`` valid lengths.
       local_window_size: int ``w`` or pair ``(left, right)``: keys ``i-left .. i+right``.
       segment_ids: int ``[batch, seq]`` or a pair ``(q_ids, kv_ids)``.
@@ -46,10 +53,17 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
         kernels interpret, the official TPU kernels refuse), ``True`` = interpret (official
         kernels: TPU interpret mode), or a ``pltpu.InterpretParams``.
       explain: also return the :class:`flashlab.registry.Choice` (which backend and why).
+      implementation: jax.nn's switch: ``None`` (no constraint), ``"xla"`` or ``"cudnn"``
+        (the ``xla``/``cudnn`` backends, as in jax.nn); conflicts with ``backend`` raise.
+      return_residual: as jax.nn: also return the logsumexp ``[batch, q_seq, heads]`` (query
+        dtype, no gradient; ``-inf`` on rows with no visible key). Served by the ``tiled``
+        backend (``auto`` picks it); other named backends raise ``NotImplementedError``.
 
     Returns:
-      ``[batch, q_seq, heads, value_head_dim]`` in the query's dtype (and the ``Choice`` when
-      ``explain=True``). A query row with no visible key is all zeros, with zero gradients.
+      ``[batch, q_seq, heads, value_head_dim]`` in the query's dtype (and the residual when
+      ``return_residual``, and the ``Choice`` when ``explain=True``). A query row with no
+      visible key is all zeros, with zero gradients; a row whose logits are NaN is NaN.
+      ``q_seq == 0`` or ``kv_seq == 0`` (or ``batch == 0``) gives the empty/zero result.
 
     Raises:
       TypeError: an argument of the wrong type or dtype (names it, what it got and wanted).
@@ -57,30 +71,90 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
       NotImplementedError: the named backend's declaration excludes this request (names the
         feature and the backends that support it).
     """
+    backend = _backend_for(backend, implementation, return_residual)
+    query, key, value, unbatched = _ensure_4d(query, key, value)
     q, k, v, spec = validate(
         query, key, value, bias, mask, scale=scale, is_causal=is_causal,
         query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
         local_window_size=local_window_size, segment_ids=segment_ids,
-        logits_soft_cap=logits_soft_cap, sinks=sinks)
+        logits_soft_cap=logits_soft_cap, sinks=sinks, allow_empty=True)
     choice = registry.choose(spec, backend, interpret=interpret)
-    out = registry.get(choice.backend).fn(q, k, v, spec, interpret=interpret)
-    return (out, choice) if explain else out
+    lse = None
+    if min(spec.batch, spec.q_len, spec.kv_len) == 0:      # as jax.nn: an empty/zero result
+        out = jnp.zeros((spec.batch, spec.q_len, spec.num_heads, spec.head_dim_v), q.dtype)
+        lse = jnp.full((spec.batch, spec.num_heads, spec.q_len), -jnp.inf, jnp.float32)
+    elif return_residual:
+        from .tiled import tiled_attention_with_lse_from_spec
+        out, lse = tiled_attention_with_lse_from_spec(q, k, v, spec)
+    else:
+        out = registry.get(choice.backend).fn(q, k, v, spec, interpret=interpret)
+    if unbatched:
+        out = out[0]
+    result = out
+    if return_residual:   # lse [B, N, T] -> jax.nn's [B, T, N] (or [T, N]), no gradient
+        lse = jax.lax.stop_gradient(jnp.swapaxes(lse, -1, -2).astype(q.dtype))
+        result = (out, lse[0] if unbatched else lse)
+    return (result, choice) if explain else result
+
+
+_IMPLEMENTATIONS = {"xla": "xla", "cudnn": "cudnn"}
+
+
+def _backend_for(backend, implementation, return_residual) -> str:
+    """Fold jax.nn's ``implementation=`` and ``return_residual=`` into a backend name."""
+    if implementation is not None:
+        if implementation not in _IMPLEMENTATIONS:
+            raise ValueError(f"implementation: expected None, 'xla' or 'cudnn' (jax.nn's values;"
+                             f" flashlab's backends are chosen with backend=), got "
+                             f"{implementation!r}")
+        if backend not in ("auto", _IMPLEMENTATIONS[implementation]):
+            raise ValueError(f"implementation={implementation!r} conflicts with backend="
+                             f"{backend!r}: pass one of them")
+        backend = _IMPLEMENTATIONS[implementation]
+    if not isinstance(return_residual, (bool, np.bool_)):
+        raise TypeError(f"return_residual: expected a bool, got {return_residual!r}")
+    if return_residual:
+        if backend not in ("auto", "tiled"):
+            raise NotImplementedError(
+                f"return_residual=True is served by backend 'tiled' (it returns the lse), not "
+                f"by backend={backend!r}; use backend='auto' or 'tiled'")
+        backend = "tiled"
+    return backend
+
+
+def _ensure_4d(query, key, value):
+    """jax.nn's unbatched form: rank-3 ``[seq, heads, head_dim]`` arrays get a batch of 1.
+
+    Returns ``(query, key, value, unbatched)``; ``unbatched`` when the query was rank 3 (the
+    result then drops the batch dim again, as jax.nn reshapes to the query's shape).
+    """
+    def four(x):
+        return x[None] if hasattr(x, "ndim") and x.ndim == 3 else x
+    unbatched = hasattr(query, "ndim") and query.ndim == 3
+    if isinstance(query, (list, tuple)):
+        query = jnp.asarray(query)
+        unbatched = query.ndim == 3
+    key, value = (jnp.asarray(x) if isinstance(x, (list, tuple)) else x for x in (key, value))
+    return four(query), four(key), four(value), unbatched
 
 
 def explain(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
             query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
             segment_ids=None, logits_soft_cap=None, backend: str = "auto",
-            interpret=None, sinks=None) -> registry.Choice:
+            interpret=None, sinks=None, implementation: str | None = None,
+            return_residual: bool = False) -> registry.Choice:
     """Which backend :func:`attention` would use for these arguments, and why (runs nothing).
 
     Arrays may be ``jax.ShapeDtypeStruct``-like stand-ins only where validation can read
     shapes and dtypes; pass real arrays for lengths/segments if you want them value-checked.
     """
+    backend = _backend_for(backend, implementation, return_residual)
+    query, key, value, _ = _ensure_4d(query, key, value)
     _, _, _, spec = validate(
         query, key, value, bias, mask, scale=scale, is_causal=is_causal,
         query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
         local_window_size=local_window_size, segment_ids=segment_ids,
-        logits_soft_cap=logits_soft_cap, sinks=sinks)
+        logits_soft_cap=logits_soft_cap, sinks=sinks, allow_empty=True)
     return registry.choose(spec, backend, interpret=interpret)
 
 

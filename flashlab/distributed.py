@@ -369,7 +369,7 @@ def _ring_backward(q, k, v, aux, out, lse, dout, cfg: _RingConfig):
     dog = dout.reshape(B, Cq, K, G, -1)
     # D_i = rowsum(dO ∘ O)  [B, K, G, Cq]
     D = jnp.einsum("bqkgd,bqkgd->bkgq", dog.astype(f32), out.reshape(dog.shape).astype(f32))
-    lse_ok = jnp.isfinite(lse)
+    lse_ok = lse != -jnp.inf          # rows with no visible key; a NaN lse stays NaN
     lse_safe = jnp.where(lse_ok, lse, 0.0)
     q_chunks, do_chunks = _chunk(qg, cfg.nc), _chunk(dog, cfg.nc)
     D_chunks = [D[..., a * cfg.cq:(a + 1) * cfg.cq] for a in range(cfg.nc)]

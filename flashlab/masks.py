@@ -19,6 +19,26 @@ Semantics (those of ``jax.nn.dot_product_attention`` plus flashlab's extras):
   softmax denominator and takes no value, ``O_i = sum_j exp(s_ij) v_j / (exp(sink_h) +
   sum_j exp(s_ij))``. A row with no visible key still returns zeros (the sink takes all the
   weight and carries no value), with zero gradients for its q, k, v.
+* a row whose visible logits hold a NaN (NaN inputs, a ``+inf`` key) is NaN, as in jax.nn.
+
+Broadcasting and value rules (:func:`validate`; the same for every backend):
+
+* ``bias``/``mask`` of rank <= 4 get leading 1s (as ``jax.nn.dot_product_attention``) and
+  each dim must be 1 or full: ``[B|1, N|1, T|1, S|1]``. The batch and head dims stay 1 in the
+  spec (kernels read them broadcast); a T or S dim of 1 is broadcast to full length there
+  (cheap: ``[B|1, N|1, T, S]``, never ``[B, N, T, S]``). An integer or bool bias becomes float.
+  The bias gradient has the bias's own shape.
+* lengths: concrete values outside ``[0, dim]`` raise; *traced* values (under ``jit``) are
+  clamped to ``[0, dim]``, which is what every backend's masks do with them anyway.
+* ``local_window_size`` sides larger than ``WINDOW_CAP`` (2**30) are clamped to it: the same
+  visibility for any position below 2**30, and no int32 overflow inside ``jit``.
+* segment ids: only equality matters; int64/uint64 ids are mapped to int32 ranks exactly
+  (ids 0 and 2**32 stay distinct), uint32 ids are reinterpreted bit-for-bit.
+* an explicit ``scale`` (Python number, NumPy/JAX scalar, traced) is applied to the query
+  (``query * scale``) and the spec keeps ``scale = 1``: ``scale·(q·k) = (scale·q)·k``, it
+  is data (no recompile per value, a learnable temperature gets its gradient through the
+  multiply). Exception: a Python-number scale with float16/bfloat16 inputs stays static,
+  as the rounding of ``scale·q`` in 16 bits would cost precision.
 """
 from __future__ import annotations
 
@@ -31,7 +51,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["AttentionSpec", "validate", "structural_visible", "block_maybe_visible"]
+__all__ = ["AttentionSpec", "validate", "structural_visible", "block_maybe_visible",
+           "WINDOW_CAP"]
+
+WINDOW_CAP = 2 ** 30   # local_window_size sides above it are clamped (positions stay int32)
 
 
 @jax.tree_util.register_dataclass
@@ -216,7 +239,18 @@ def _shape(x) -> tuple[int, ...]:
     return tuple(np.shape(x))
 
 
-def _check_qkv(query, key, value):
+def _as_array(name, x, what="a jax or numpy array"):
+    """Python lists/tuples of numbers -> a jnp array (as jax.nn accepts them); else as is."""
+    if isinstance(x, (list, tuple)):
+        try:
+            return jnp.asarray(x)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"{name}: expected {what} (or a nested list of numbers), got a "
+                            f"{type(x).__name__} that is not one: {e}") from None
+    return x
+
+
+def _check_qkv(query, key, value, allow_empty=False):
     for name, x in (("query", query), ("key", key), ("value", value)):
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
             raise TypeError(f"{name}: expected a jax or numpy array, got {type(x).__name__}")
@@ -239,29 +273,47 @@ def _check_qkv(query, key, value):
     if value.shape[:3] != (B, S, K):
         raise ValueError(f"value: expected shape [{B}, {S}, {K}, head_dim] (key's batch, seq "
                          f"and heads), got {_shape(value)}")
-    if min(T, S, N, K, H) < 1 or value.shape[3] < 1:
-        raise ValueError(f"query/key/value: every dimension must be >= 1, got query "
+    low = min(N, K, H, value.shape[3]) if allow_empty else min(B, T, S, N, K, H, value.shape[3])
+    if low < 1:
+        which = "heads and head_dim" if allow_empty else "every dimension"
+        raise ValueError(f"query/key/value: {which} must be >= 1, got query "
                          f"{_shape(query)}, key {_shape(key)}, value {_shape(value)}")
     if N % K:
         raise ValueError(f"key: query heads ({N}) must be a multiple of kv heads; got key "
                          f"shape {_shape(key)} with {K} heads")
 
 
-def _check_4d(name, x, B, N, T, S, kind):
-    if not hasattr(x, "shape"):
+def _check_4d(name, x, B, N, T, S, kind, float_dtype=jnp.float32):
+    """Check a bias/mask against jax.nn's rule and return it as ``[B|1, N|1, T, S]``.
+
+    jax.nn: rank <= 4 (leading 1s added), each dim 1 or full, mask bool, bias any real
+    dtype. Batch/head dims of 1 stay 1; T/S dims of 1 are broadcast (cheap, differentiable:
+    the bias gradient comes back in the bias's own shape).
+    """
+    x = _as_array(name, x, "an array")
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
         raise TypeError(f"{name}: expected an array, got {type(x).__name__}")
-    want = f"[{B} or 1, {N} or 1, {T}, {S}]"
-    if x.ndim != 4:
-        raise ValueError(f"{name}: expected rank 4 broadcastable to [batch, heads, q_seq, kv_seq]"
-                         f" = {want}, got shape {_shape(x)}")
-    b, n, t, s = x.shape
-    if b not in (1, B) or n not in (1, N) or t != T or s != S:
-        raise ValueError(f"{name}: expected shape {want}, got {_shape(x)}")
+    want = f"[{B} or 1, {N} or 1, {T} or 1, {S} or 1]"
+    if x.ndim > 4:
+        raise ValueError(f"{name}: expected rank <= 4 broadcastable to [batch, heads, q_seq, "
+                         f"kv_seq] = {want}, got shape {_shape(x)} (rank {x.ndim})")
+    shape4 = (1,) * (4 - x.ndim) + _shape(x)
+    b, n, t, s = shape4
+    if b not in (1, B) or n not in (1, N) or t not in (1, T) or s not in (1, S):
+        raise ValueError(f"{name}: expected shape {want} (rank 4, or fewer dims with leading "
+                         f"ones as jax.nn), got {_shape(x)}")
     dt = jnp.dtype(x.dtype)
     if kind == "mask" and dt != jnp.dtype(bool):
         raise TypeError(f"mask: expected dtype bool (True = visible), got {dt}")
+    if kind == "bias" and not (jnp.issubdtype(dt, jnp.floating) or jnp.issubdtype(dt, jnp.integer)
+                               or dt == jnp.dtype(bool)):
+        raise TypeError(f"bias: expected a real (floating, integer or bool) dtype, got {dt}")
+    x = jnp.reshape(jnp.asarray(x), shape4)
     if kind == "bias" and not jnp.issubdtype(dt, jnp.floating):
-        raise TypeError(f"bias: expected a floating dtype, got {dt}")
+        x = x.astype(float_dtype)
+    if (t, s) != (T, S):
+        x = jnp.broadcast_to(x, (b, n, T, S))
+    return x
 
 
 def _check_lengths(name, x, B, limit):
@@ -277,12 +329,18 @@ def _check_lengths(name, x, B, limit):
         xs = np.asarray(x)
         if (xs < 0).any() or (xs > limit).any():
             raise ValueError(f"{name}: expected values in [0, {limit}], got {xs.tolist()}")
-    return jnp.asarray(x, jnp.int32)
+        return jnp.asarray(xs.astype(np.int32))
+    # Traced: cannot raise on a value, so clamp to [0, limit] (in the input's own dtype,
+    # before any narrowing to int32) -- exactly what every backend's masks make of it.
+    return jnp.clip(x, 0, limit).astype(jnp.int32)
 
 
 def _check_window(w):
     if w is None:
         return None
+    concrete = isinstance(w, (jax.Array, np.ndarray)) and not isinstance(w, jax.core.Tracer)
+    if concrete and w.ndim == 0:
+        w = w.item()                        # a concrete NumPy/JAX integer scalar
     if isinstance(w, (int, np.integer)) and not isinstance(w, bool):
         w = (int(w), int(w))
     if not isinstance(w, (tuple, list)) or len(w) != 2:
@@ -296,7 +354,7 @@ def _check_window(w):
             raise TypeError(f"local_window_size: {side} must be an int >= 0 (or None), got {v!r}")
         if v < 0:
             raise ValueError(f"local_window_size: {side} must be >= 0, got {v}")
-        out.append(int(v))
+        out.append(min(int(v), WINDOW_CAP))
     return tuple(out)
 
 
@@ -313,6 +371,8 @@ def _check_segments(seg, B, T, S):
             raise ValueError(f"segment_ids: a single array needs q_seq == kv_seq, got q_seq={T}, "
                              f"kv_seq={S}; pass a pair (q_ids, kv_ids)")
         q_ids = kv_ids = seg
+    q_ids = _as_array("segment_ids (query)", q_ids, "an int array")
+    kv_ids = _as_array("segment_ids (key/value)", kv_ids, "an int array")
     for name, x, L in (("segment_ids (query)", q_ids, T), ("segment_ids (key/value)", kv_ids, S)):
         if not hasattr(x, "shape"):
             raise TypeError(f"{name}: expected an array, got {type(x).__name__}")
@@ -320,7 +380,74 @@ def _check_segments(seg, B, T, S):
             raise ValueError(f"{name}: expected shape [batch, seq] = [{B}, {L}], got {_shape(x)}")
         if not jnp.issubdtype(x.dtype, jnp.integer):
             raise TypeError(f"{name}: expected an integer dtype, got {x.dtype}")
-    return jnp.asarray(q_ids, jnp.int32), jnp.asarray(kv_ids, jnp.int32)
+    return _segments_int32(q_ids, kv_ids)
+
+
+def _segments_int32(q_ids, kv_ids):
+    """Segment ids as int32, exactly: only ``q_id == kv_id`` matters, so ids that do not fit
+    int32 (int64/uint64, concrete out of range or traced) become their rank among all ids of
+    the call (``searchsorted`` into the sorted ids: equal ids, equal ranks); uint32 ids are
+    reinterpreted bit-for-bit (a bijection). Never a silent merge of 0 and 2**32."""
+    i32 = np.iinfo(np.int32)
+    dts = {jnp.dtype(q_ids.dtype), jnp.dtype(kv_ids.dtype)}
+    narrow = all(d.itemsize <= 4 for d in dts)
+    concrete = not any(isinstance(x, jax.core.Tracer) for x in (q_ids, kv_ids))
+    if not narrow and concrete:
+        lo = min(int(np.min(q_ids, initial=0)), int(np.min(kv_ids, initial=0)))
+        hi = max(int(np.max(q_ids, initial=0)), int(np.max(kv_ids, initial=0)))
+        narrow = i32.min <= lo and hi <= i32.max
+    if narrow:
+        cast = lambda x: (jax.lax.bitcast_convert_type(jnp.asarray(x), jnp.int32)  # noqa: E731
+                          if jnp.dtype(x.dtype) == jnp.dtype(jnp.uint32)
+                          else jnp.asarray(x).astype(jnp.int32))
+        return cast(q_ids), cast(kv_ids)
+    q_ids, kv_ids = jnp.asarray(q_ids), jnp.asarray(kv_ids)
+    both = jnp.sort(jnp.concatenate([q_ids.ravel(), kv_ids.ravel().astype(q_ids.dtype)]))
+    rank = lambda x: jnp.searchsorted(both, x.astype(both.dtype)).astype(jnp.int32)  # noqa: E731
+    return rank(q_ids), rank(kv_ids)
+
+
+def _check_is_causal(is_causal) -> bool:
+    """A Python/NumPy bool or a concrete JAX/NumPy 0-d bool array (static: it picks code)."""
+    concrete = (isinstance(is_causal, (jax.Array, np.ndarray))
+                and not isinstance(is_causal, jax.core.Tracer))
+    if concrete:
+        if is_causal.shape == () and jnp.dtype(is_causal.dtype) == jnp.dtype(bool):
+            return bool(is_causal)
+    if isinstance(is_causal, jax.core.Tracer):
+        raise TypeError(f"is_causal: expected a static bool (it selects the mask), got a traced "
+                        f"value {is_causal!r}; pass a Python bool or mark it static in jit")
+    if not isinstance(is_causal, (bool, np.bool_)):
+        raise TypeError(f"is_causal: expected a Python bool, got {is_causal!r}")
+    return bool(is_causal)
+
+
+def _check_scale(scale, query):
+    """``(query, static scale)``: an explicit scale becomes data, folded into the query.
+
+    ``None`` -> ``1/sqrt(head_dim)``, static. A Python number with a 16-bit query stays static
+    (exact); any other explicit scale (a Python number with a 32/64-bit query, a NumPy/JAX
+    scalar, a traced value) multiplies the query and the spec's scale is 1.
+    """
+    H = query.shape[-1]
+    if scale is None:
+        return query, 1.0 / math.sqrt(H)
+    if isinstance(scale, bool) or isinstance(scale, (np.bool_,)):
+        raise TypeError(f"scale: expected a number, got {scale!r}")
+    python = isinstance(scale, numbers.Real)
+    if not python:
+        if not hasattr(scale, "dtype") or not hasattr(scale, "shape"):
+            raise TypeError(f"scale: expected a number or a scalar array, got {scale!r}")
+        if _shape(scale) != ():
+            raise ValueError(f"scale: expected a scalar, got shape {_shape(scale)}")
+        dt = scale.dtype
+        if not (jnp.issubdtype(dt, jnp.floating) or jnp.issubdtype(dt, jnp.integer)):
+            raise TypeError(f"scale: expected a real dtype, got {scale.dtype}")
+    if not isinstance(scale, jax.core.Tracer) and not math.isfinite(float(scale)):
+        raise ValueError(f"scale: expected a finite number, got {scale!r}")
+    if python and jnp.dtype(query.dtype).itemsize < 4:
+        return query, float(scale)
+    return query * jnp.asarray(scale).astype(query.dtype), 1.0
 
 
 def _check_sinks(sinks, N):
@@ -338,36 +465,33 @@ def _check_sinks(sinks, N):
 
 def validate(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
              query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
-             segment_ids=None, logits_soft_cap=None, sinks=None):
+             segment_ids=None, logits_soft_cap=None, sinks=None, allow_empty=False):
     """Check every argument once and return ``(query, key, value, spec)``.
 
     Raises ``TypeError``/``ValueError`` naming the argument, the value given and what was
-    expected. Nothing is broadcast silently: mask and bias must be rank 4 with each of the
-    batch and head dimensions either full or 1.
+    expected. Mask and bias broadcast exactly as in ``jax.nn.dot_product_attention`` (see
+    the module docstring) and nothing else is broadcast. ``allow_empty``: batch, q_seq and
+    kv_seq may be 0 (:func:`flashlab.attention` then returns an empty/zero result).
     """
-    _check_qkv(query, key, value)
+    query, key, value = (_as_array(n, x) for n, x in
+                         (("query", query), ("key", key), ("value", value)))
+    _check_qkv(query, key, value, allow_empty)
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
     B, T, N, H = query.shape
     _, S, K, _ = key.shape
+    acc = jnp.promote_types(query.dtype, jnp.float32)
     if bias is not None:
-        _check_4d("bias", bias, B, N, T, S, "bias")
-        bias = jnp.asarray(bias)
+        bias = _check_4d("bias", bias, B, N, T, S, "bias", acc)
     if mask is not None:
-        _check_4d("mask", mask, B, N, T, S, "mask")
-        mask = jnp.asarray(mask)
-    if not isinstance(is_causal, (bool, np.bool_)):
-        raise TypeError(f"is_causal: expected a Python bool, got {is_causal!r}")
-    if scale is None:
-        scale = 1.0 / math.sqrt(H)
-    elif isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-        raise TypeError(f"scale: expected a Python float, got {scale!r}")
-    elif not math.isfinite(float(scale)):
-        raise ValueError(f"scale: expected a finite number, got {scale!r}")
+        mask = _check_4d("mask", mask, B, N, T, S, "mask")
+    is_causal = _check_is_causal(is_causal)
+    query, scale = _check_scale(scale, query)
     if logits_soft_cap is not None:
         if isinstance(logits_soft_cap, bool) or not isinstance(logits_soft_cap, numbers.Real):
             raise TypeError(f"logits_soft_cap: expected a Python float > 0, got {logits_soft_cap!r}")
-        if not float(logits_soft_cap) > 0:
-            raise ValueError(f"logits_soft_cap: expected a float > 0, got {logits_soft_cap!r}")
+        if not (float(logits_soft_cap) > 0 and math.isfinite(float(logits_soft_cap))):
+            raise ValueError(f"logits_soft_cap: expected a float > 0 and finite (None for no cap), "
+                             f"got {logits_soft_cap!r}")
         logits_soft_cap = float(logits_soft_cap)
     window = _check_window(local_window_size)
     q_lengths = _check_lengths("query_seq_lengths", query_seq_lengths, B, T)

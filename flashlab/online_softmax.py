@@ -13,7 +13,10 @@ order: tiles inside a kernel, grid steps, devices in a ring); ``finalize`` divid
 The tiled rung, the Pallas kernels and ring attention all call these functions.
 
 Masked scores are ``-inf``. A row that has seen no visible key keeps ``m = -inf, l = 0`` and
-finalizes to zeros with ``lse = -inf``: never NaN, never mean(V).
+finalizes to zeros with ``lse = -inf``: never NaN, never mean(V). A row whose visible logits
+hold a NaN (or a ``+inf``, where ``exp(inf - inf)`` is NaN) is *not* such a row: its ``m`` or
+``l`` is NaN, and :func:`finalize` tells the two apart by ``m == -inf`` ("nothing seen"), never
+by ``l > 0`` (which is False for NaN too), so a diverging run sees NaN in every backend.
 """
 from __future__ import annotations
 
@@ -33,10 +36,13 @@ class State(NamedTuple):
     acc: jax.Array  # [..., Br, d]   float32 running unnormalised output
 
 
-def init(shape, head_dim: int) -> State:
-    """Empty state for rows of ``shape`` (``[..., Br]``) and value width ``head_dim``."""
-    return State(jnp.full(shape, NEG_INF, jnp.float32), jnp.zeros(shape, jnp.float32),
-                 jnp.zeros((*shape, head_dim), jnp.float32))
+def init(shape, head_dim: int, dtype=jnp.float32) -> State:
+    """Empty state for rows of ``shape`` (``[..., Br]``) and value width ``head_dim``.
+
+    ``dtype`` is the accumulation dtype: float32, or float64 for float64 inputs.
+    """
+    return State(jnp.full(shape, NEG_INF, dtype), jnp.zeros(shape, dtype),
+                 jnp.zeros((*shape, head_dim), dtype))
 
 
 def _safe(m):
@@ -52,7 +58,7 @@ def update(state: State, s_block: jax.Array, v_block: jax.Array, visible=None) -
     visible  [..., Br, Bc]  optional bool; False entries are treated as -inf
     """
     m, l, acc = state
-    s = s_block.astype(jnp.float32)
+    s = s_block.astype(m.dtype)
     if visible is not None:
         s = jnp.where(visible, s, NEG_INF)
     m_new = jnp.maximum(m, jnp.max(s, axis=-1))               # [..., Br]
@@ -61,7 +67,7 @@ def update(state: State, s_block: jax.Array, v_block: jax.Array, visible=None) -
     alpha = jnp.exp(m - m_use)                                 # [..., Br]; m=-inf -> 0
     l_new = alpha * l + jnp.sum(p, axis=-1)
     pv = jnp.einsum("...qk,...kd->...qd", p.astype(v_block.dtype), v_block,
-                    preferred_element_type=jnp.float32)
+                    preferred_element_type=acc.dtype)
     return State(m_new, l_new, alpha[..., None] * acc + pv)
 
 
@@ -74,12 +80,15 @@ def merge(a: State, b: State) -> State:
 
 
 def finalize(state: State):
-    """Normalise: ``O = acc / l`` and ``lse = m + log l``; rows with ``l == 0`` give 0 and -inf.
+    """Normalise: ``O = acc / l`` and ``lse = m + log l``.
 
-    Returns ``(out [..., Br, d] float32, lse [..., Br] float32)``.
+    A row with no visible key (``m == -inf``: nothing seen, or every visible logit ``-inf``)
+    gives 0 and ``lse = -inf``. A row whose logits held a NaN (``m`` or ``l`` NaN) gives NaN:
+    it is a divergence to report, not an empty row.
+    Returns ``(out [..., Br, d], lse [..., Br])`` in the state's dtype (float32 or float64).
     """
     m, l, acc = state
-    seen = l > 0
+    seen = m != NEG_INF                       # True for NaN m: NaN flows through
     l_safe = jnp.where(seen, l, 1.0)
     out = jnp.where(seen[..., None], acc / l_safe[..., None], 0.0)
     lse = jnp.where(seen, m + jnp.log(l_safe), NEG_INF)

@@ -68,7 +68,8 @@ def tiled_attention(query, key, value, bias=None, mask=None, *, scale=None, is_c
         sequence length works: the last block is padded internally and the padding masked.
 
     Returns:
-      ``[batch, q_seq, heads, d_v]`` in the query's dtype (accumulation in float32).
+      ``[batch, q_seq, heads, d_v]`` in the query's dtype (accumulation in float32, float64
+      for float64 inputs).
       Differentiable (custom VJP, O(N) residuals) w.r.t. query, key, value and bias.
     """
     query, key, value, spec = validate(
@@ -88,7 +89,8 @@ def tiled_attention_from_spec(query, key, value, spec: AttentionSpec, *, block_q
 
 def tiled_attention_with_lse_from_spec(query, key, value, spec: AttentionSpec, *, block_q=None,
                                        block_k=None):
-    """Tiled attention returning ``(out [B, T, N, d_v] query dtype, lse [B, N, T] float32)``.
+    """Tiled attention returning ``(out [B, T, N, d_v] query dtype, lse [B, N, T] float32)``
+    (lse float64 for float64 inputs).
 
     ``lse`` is ``-inf`` for rows with no visible key. Both outputs are differentiable (the
     lse cotangent adds ``P ∘ dlse`` to dS), so states of disjoint key sets can be merged
@@ -374,22 +376,28 @@ def _visible(cfg: _Config, aux: _Aux, i, j, transposed: bool):
 
 
 def _scores(cfg, q_blk, k_blk, bias5, i, j, *, transposed=False):
-    """Logits tile in the rows layout (float32) and the raw scaled logits (for the soft cap).
+    """Logits tile in the rows layout and the raw scaled logits (for the soft cap), in the
+    accumulation dtype (float32; float64 for float64 inputs, see ``_acc``).
 
     ``q_blk`` ``[BK, G·bq, d]`` (pre-scaled when its dtype is >= 32 bit: one multiply per
     row instead of per score), ``k_blk`` ``[BK, bk, d]``.
     """
     spec = "bsd,brd->bsr" if transposed else "brd,bsd->brs"
     a, b = (k_blk, q_blk) if transposed else (q_blk, k_blk)
-    s = jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+    s = jnp.einsum(spec, a, b, preferred_element_type=_acc(q_blk.dtype))
     if jnp.dtype(q_blk.dtype).itemsize < 4:
         s = s * cfg.scale
     raw = s
     if cfg.soft_cap is not None:
         s = cfg.soft_cap * jnp.tanh(s / cfg.soft_cap)
     if bias5 is not None:
-        s = s + _rows(_tile(bias5, cfg, i, j), cfg, transposed).astype(jnp.float32)
+        s = s + _rows(_tile(bias5, cfg, i, j), cfg, transposed).astype(s.dtype)
     return s, raw
+
+
+def _acc(dtype):
+    """Accumulation dtype for inputs of ``dtype``: float64 for float64, else float32."""
+    return jnp.promote_types(dtype, jnp.float32)
 
 
 def _prescale(cfg, q):
@@ -405,7 +413,7 @@ def _q_rows(x4, cfg, i):
 
 
 def _forward(cfg: _Config, q4, k3, v3, bias5, aux: _Aux, sinks2=None):
-    """``(out [BK, G, Tp, d_v] float32, lse [BK, G, Tp] float32)``; ``sinks2 [BK, G]``."""
+    """``(out [BK, G, Tp, d_v], lse [BK, G, Tp])`` in the accumulation dtype; ``sinks2 [BK, G]``."""
     BK, G, Tp, _ = q4.shape
     Hv = v3.shape[-1]
     ranges, used = _tables(cfg, aux, transposed=False)              # [4, Tr]
@@ -426,7 +434,7 @@ def _forward(cfg: _Config, q4, k3, v3, bias5, aux: _Aux, sinks2=None):
         bounds = _bounds(ranges, i, row_len=aux.q_lengths, row_block=cfg.bq,
                          col_len=aux.kv_lengths, col_block=cfg.bk)
         state = _three_loops(bounds, used, kv_step(True), kv_step(False),
-                             osm.init((BK, G * cfg.bq), Hv))
+                             osm.init((BK, G * cfg.bq), Hv, _acc(q4.dtype)))
         if sinks2 is not None:
             state = osm.merge(state, osm.sink_state(jnp.repeat(sinks2, cfg.bq, axis=-1), Hv))
         out, lse = osm.finalize(state)
@@ -441,16 +449,18 @@ def _backward(cfg: _Config, q4, k3, v3, bias5, aux: _Aux, out4, lse3, dout4, dls
     """FlashAttention-2 backward: kv blocks outer, the q blocks that see them inner."""
     BK, G, Tp, H = q4.shape
     Sp, Hv = k3.shape[1], v3.shape[-1]
-    f32 = jnp.float32
+    f32 = _acc(q4.dtype)                          # float32 (float64 for float64 inputs)
     ranges, used = _tables(cfg, aux, transposed=True)               # [4, Tc]
     lowp = jnp.dtype(q4.dtype).itemsize < 4
     mm_dtype = q4.dtype if lowp else f32          # dtype of P, dS fed to the matmuls
     qs = _prescale(cfg, q4)
     # D_i = rowsum(dO ∘ O) - dlse  (the lse cotangent enters as dS += P ∘ dlse).
-    finite = jnp.isfinite(lse3)
+    # Rows with no visible key have lse = -inf (P = 0 there anyway); a NaN lse (NaN logits)
+    # is kept, so the gradients of a diverged row are NaN, as the forward is.
+    empty = lse3 == -jnp.inf
     D = jnp.sum(dout4.astype(f32) * out4.astype(f32), axis=-1)      # [BK, G, Tp]
-    D = D - jnp.where(finite, dlse3, 0.0)
-    lse_use = jnp.where(finite, lse3, 0.0)       # masked s = -inf -> P = 0 anyway
+    D = D - jnp.where(empty, 0.0, dlse3)
+    lse_use = jnp.where(empty, 0.0, lse3)
     do4 = dout4.astype(q4.dtype)
     row_vec = lambda x, i: jax.lax.dynamic_slice_in_dim(x, i * cfg.bq, cfg.bq, 2).reshape(BK, 1, -1)
 
@@ -580,7 +590,7 @@ def _backward_by_head(cfg: _Config, q4, k3, v3, bias5, aux: _Aux, out4, lse3, do
                 dbias, jax.lax.dynamic_slice(dbias, at, db.shape) + db, at)
         return dbias, (dq[0], dk[0], dv[0])
 
-    db0 = jnp.zeros(()) if bias5 is None else jnp.zeros(bias5.shape, jnp.float32)
+    db0 = jnp.zeros(()) if bias5 is None else jnp.zeros(bias5.shape, _acc(q4.dtype))
     xs = (jnp.arange(q4.shape[0]), q4, k3, v3, out4, lse3, dout4, dlse3)
     dbias, (dq, dk, dv) = jax.lax.scan(one, db0, xs)
     return dq, dk, dv, (None if bias5 is None else dbias)

@@ -13,7 +13,7 @@ v = np.zeros((B, S, K, H), np.float32)
 
 BAD = [
     # (kwargs or positional overrides, exception, message fragment)
-    (dict(query=q[0]), ValueError, "query: expected rank 4"),
+    (dict(query=q[0]), ValueError, "query: expected rank 4"),   # rank 3 only via attention()
     (dict(key=k[..., 0]), ValueError, "key: expected rank 4"),
     (dict(key=np.zeros((3, S, K, H), np.float32)), ValueError, "key: expected batch 2"),
     (dict(key=np.zeros((B, S, K, 8), np.float32)), ValueError, "key: expected head_dim 16"),
@@ -23,13 +23,16 @@ BAD = [
     (dict(query=q.astype(np.int32)), TypeError, "query: expected a floating dtype"),
     (dict(value=v.astype(np.complex64)), TypeError, "value: expected a floating dtype"),
     (dict(key=k.astype(np.float16)), TypeError, "expected one dtype"),
-    (dict(query=[[1.0]]), TypeError, "query: expected a jax or numpy array"),
-    (dict(mask=np.ones((T, S), bool)), ValueError, "mask: expected rank 4"),
+    (dict(query="q"), TypeError, "query: expected a jax or numpy array"),
+    (dict(query=[[1.0]]), ValueError, "query: expected rank 4"),
+    (dict(query=[[None]]), TypeError, "query: expected a jax or numpy array"),
+    (dict(mask=np.ones((1, B, N, T, S), bool)), ValueError, "mask: expected rank <= 4"),
     (dict(mask=np.ones((B, N, T, S + 1), bool)), ValueError, "mask: expected shape"),
     (dict(mask=np.ones((B, 3, T, S), bool)), ValueError, "mask: expected shape [2 or 1, 4 or 1"),
     (dict(mask=np.ones((B, 1, T, S), np.float32)), TypeError, "mask: expected dtype bool"),
-    (dict(bias=np.ones((B, 1, T, 1), np.float32)), ValueError, "bias: expected shape"),
-    (dict(bias=np.ones((B, 1, T, S), np.int32)), TypeError, "bias: expected a floating dtype"),
+    (dict(bias=np.ones((B, 1, T, 2), np.float32)), ValueError, "bias: expected shape"),
+    (dict(bias=np.ones((T + 1, S), np.float32)), ValueError, "bias: expected shape"),
+    (dict(bias=np.ones((B, 1, T, S), np.complex64)), TypeError, "bias: expected a real"),
     (dict(local_window_size=-1), ValueError, "local_window_size: left must be >= 0"),
     (dict(local_window_size=(2, -3)), ValueError, "local_window_size: right must be >= 0"),
     (dict(local_window_size=1.5), TypeError, "local_window_size"),
@@ -42,6 +45,7 @@ BAD = [
     (dict(logits_soft_cap=0.0), ValueError, "logits_soft_cap: expected a float > 0"),
     (dict(logits_soft_cap=-2.0), ValueError, "logits_soft_cap"),
     (dict(logits_soft_cap="3"), TypeError, "logits_soft_cap"),
+    (dict(logits_soft_cap=float("inf")), ValueError, "logits_soft_cap: expected a float > 0 and finite"),
     (dict(segment_ids=np.zeros((B, T), np.int32)), ValueError, "segment_ids: a single array needs q_seq == kv_seq"),
     (dict(segment_ids=(np.zeros((B, T), np.int32), np.zeros((B, S + 1), np.int32))), ValueError,
      "segment_ids (key/value): expected shape [batch, seq] = [2, 6]"),
@@ -64,6 +68,7 @@ def test_bad_input_raises_named_error(override, exc, fragment):
 
 def test_valid_broadcast_shapes_are_accepted():
     naive_attention(q, k, v, mask=np.ones((1, 1, T, S), bool), bias=np.zeros((B, N, T, S), np.float32))
+    naive_attention(q, k, v, mask=np.ones((T, S), bool), bias=np.zeros((B, 1, T, 1), np.int32))
     naive_attention(q, k, v, local_window_size=(None, 2))
 
 
