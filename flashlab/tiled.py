@@ -35,6 +35,7 @@ import numpy as np
 
 from . import online_softmax as osm
 from .masks import AttentionSpec, block_maybe_visible, structural_visible, validate
+from .shard_map_compat import pvary, vma_of
 
 __all__ = ["tiled_attention", "tiled_attention_from_spec", "tiled_attention_with_lse_from_spec",
            "tiled_hbm_bytes", "DEFAULT_BLOCK_Q", "DEFAULT_BLOCK_K", "block_tables",
@@ -115,6 +116,9 @@ def _with_lse(query, key, value, spec: AttentionSpec, bq: int, bk: int):
                q_lengths=spec.q_lengths, kv_lengths=spec.kv_lengths,
                q_seg=None if spec.q_segment_ids is None else _pad(spec.q_segment_ids, 1, Tp),
                kv_seg=None if spec.kv_segment_ids is None else _pad(spec.kv_segment_ids, 1, Sp))
+    # Inside shard_map: every operand varies over the same mesh axes, so each cotangent has
+    # its primal's type (JAX sums a replicated input's cotangent outside, as for any op).
+    q4, k3, v3, bias5, aux = pvary((q4, k3, v3, bias5, aux), vma_of(q4, k3, v3, bias5, aux))
     out4, lse3 = _flash(cfg, q4, k3, v3, bias5, aux)
     out = out4[:, :, :T].reshape(B, K, G, T, Hv).transpose(0, 3, 1, 2, 4).reshape(B, T, N, Hv)
     lse = lse3[:, :, :T].reshape(B, N, T)
@@ -403,6 +407,7 @@ def _forward(cfg: _Config, q4, k3, v3, bias5, aux: _Aux):
     Hv = v3.shape[-1]
     ranges, used = _tables(cfg, aux, transposed=False)              # [4, Tr]
     qs = _prescale(cfg, q4)
+    axes = vma_of(q4, k3, v3, bias5, aux)
 
     def q_block(i):
         q_blk = _q_rows(qs, cfg, i)                                 # [BK, G·bq, d]
@@ -418,8 +423,9 @@ def _forward(cfg: _Config, q4, k3, v3, bias5, aux: _Aux):
 
         bounds = _bounds(ranges, i, row_len=aux.q_lengths, row_block=cfg.bq,
                          col_len=aux.kv_lengths, col_block=cfg.bk)
+        # Inside shard_map the initial state varies over the mesh axes its data does.
         state = _three_loops(bounds, used, kv_step(True), kv_step(False),
-                             osm.init((BK, G * cfg.bq), Hv))
+                             pvary(osm.init((BK, G * cfg.bq), Hv), axes))
         out, lse = osm.finalize(state)
         return out.reshape(BK, G, cfg.bq, Hv), lse.reshape(BK, G, cfg.bq)
 
@@ -434,6 +440,7 @@ def _backward(cfg: _Config, q4, k3, v3, bias5, aux: _Aux, out4, lse3, dout4, dls
     Sp, Hv = k3.shape[1], v3.shape[-1]
     f32 = jnp.float32
     ranges, used = _tables(cfg, aux, transposed=True)               # [4, Tc]
+    axes = vma_of(q4, k3, v3, bias5, aux, dout4, dlse3)   # loop carries vary as the data do
     lowp = jnp.dtype(q4.dtype).itemsize < 4
     mm_dtype = q4.dtype if lowp else f32          # dtype of P, dS fed to the matmuls
     qs = _prescale(cfg, q4)
@@ -485,14 +492,15 @@ def _backward(cfg: _Config, q4, k3, v3, bias5, aux: _Aux, out4, lse3, dout4, dls
 
         bounds = _bounds(ranges, j, row_len=aux.kv_lengths, row_block=cfg.bk,
                          col_len=aux.q_lengths, col_block=cfg.bq)
-        zeros = (jnp.zeros((BK, cfg.bk, H), f32), jnp.zeros((BK, cfg.bk, Hv), f32))
+        zeros = pvary((jnp.zeros((BK, cfg.bk, H), f32), jnp.zeros((BK, cfg.bk, Hv), f32)), axes)
         dq, dbias, dk, dv = _three_loops(bounds, used, q_step(True), q_step(False),
                                          (dq, dbias, *zeros))
         return (dq, dbias), (dk, dv)
 
     dq0 = jnp.zeros((BK, G, Tp, H), f32)
     db0 = jnp.zeros(()) if bias5 is None else jnp.zeros(bias5.shape, f32)
-    (dq, dbias), (dk, dv) = jax.lax.scan(kv_block, (dq0, db0), jnp.arange(Sp // cfg.bk))
+    (dq, dbias), (dk, dv) = jax.lax.scan(kv_block, pvary((dq0, db0), axes),
+                                         jnp.arange(Sp // cfg.bk))
     # dQ = scale · dS K, applied once per element rather than per tile; dK = scale · dSᵀ Q
     # already holds the scale when q was pre-scaled (>= 32-bit dtypes).
     dq = dq * cfg.scale
@@ -564,7 +572,7 @@ def _backward_by_head(cfg: _Config, q4, k3, v3, bias5, aux: _Aux, out4, lse3, do
 
     db0 = jnp.zeros(()) if bias5 is None else jnp.zeros(bias5.shape, jnp.float32)
     xs = (jnp.arange(q4.shape[0]), q4, k3, v3, out4, lse3, dout4, dlse3)
-    dbias, (dq, dk, dv) = jax.lax.scan(one, db0, xs)
+    dbias, (dq, dk, dv) = jax.lax.scan(one, pvary(db0, vma_of(xs, bias5, aux)), xs)
     return dq, dk, dv, (None if bias5 is None else dbias)
 
 
