@@ -11,6 +11,7 @@ lazily so that this module imports on any branch.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 
@@ -20,6 +21,7 @@ import numpy as np
 
 from . import device
 from .masks import AttentionSpec
+from .shard_map_compat import vma_of
 
 __all__ = ["reference_fn", "xla_fn", "cudnn_fn", "tiled_fn", "pallas_tpu_fn",
            "jax_pallas_flash_fn", "splash_fn", "zero_invisible_rows", "OFFICIAL_BLOCK"]
@@ -123,8 +125,26 @@ def tiled_fn(query, key, value, spec, *, interpret=None):
 def pallas_tpu_fn(query, key, value, spec, *, interpret=None):
     """flashlab.kernels: our Pallas TPU kernels (branch ``kernel``); interpret off-TPU."""
     from .kernels import flash_attention_from_spec
+    mode = device.interpret_mode(interpret)
+    if mode is not False and vma_of(spec.q_lengths, spec.kv_lengths):
+        spec = _lengths_as_segments(spec)
     return _call_with_defaults(flash_attention_from_spec, query, key, value, spec,
-                               interpret=device.interpret_mode(interpret))
+                               interpret=mode)
+
+
+def _lengths_as_segments(spec: AttentionSpec) -> AttentionSpec:
+    """The same visibility with the lengths folded into segment ids (``_padded_segment_ids``).
+
+    Used for our kernels in interpret mode inside ``shard_map(check_vma=True)`` when the
+    lengths differ per device: JAX's Pallas interpreter (jax 0.10) slices scalar-prefetch
+    operands with its own loop index, which is not varying, and the checker rejects that
+    ("dynamic_slice requires varying manual axes to match"). Segment ids are ordinary
+    operands, so the kernel sees the same mask; only length-based block skipping is lost,
+    which an interpreter does not need.
+    """
+    q_seg, kv_seg = _padded_segment_ids(spec, spec.q_len, spec.kv_len)
+    return dataclasses.replace(spec, q_lengths=None, kv_lengths=None, q_segment_ids=q_seg,
+                               kv_segment_ids=kv_seg)
 
 
 # ----------------------------------------------------------------------------- official kernels
