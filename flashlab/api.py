@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import registry
+from . import autodiff, registry
 from .masks import validate
 
 __all__ = ["attention", "explain", "as_flax_attention_fn"]
@@ -59,7 +59,8 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
         query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
         local_window_size=local_window_size, segment_ids=segment_ids,
         logits_soft_cap=logits_soft_cap)
-    choice = registry.choose(spec, backend, interpret=interpret)
+    choice = registry.choose(spec, backend, interpret=interpret,
+                             autodiff_features=autodiff.requested(q, k, v, spec.bias))
     out = registry.get(choice.backend).fn(q, k, v, spec, interpret=interpret)
     return (out, choice) if explain else out
 
@@ -73,12 +74,13 @@ def explain(query, key, value, bias=None, mask=None, *, scale=None, is_causal=Fa
     Arrays may be ``jax.ShapeDtypeStruct``-like stand-ins only where validation can read
     shapes and dtypes; pass real arrays for lengths/segments if you want them value-checked.
     """
-    _, _, _, spec = validate(
+    query, key, value, spec = validate(
         query, key, value, bias, mask, scale=scale, is_causal=is_causal,
         query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
         local_window_size=local_window_size, segment_ids=segment_ids,
         logits_soft_cap=logits_soft_cap)
-    return registry.choose(spec, backend, interpret=interpret)
+    return registry.choose(spec, backend, interpret=interpret,
+                           autodiff_features=autodiff.requested(query, key, value, spec.bias))
 
 
 # ----------------------------------------------------------------------------- Flax adapter
