@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import autodiff
 from . import online_softmax as osm
 from .masks import AttentionSpec, block_maybe_visible, structural_visible, validate
 from .shard_map_compat import pvary, vma_of
@@ -93,11 +94,14 @@ def tiled_attention_with_lse_from_spec(query, key, value, spec: AttentionSpec, *
     outside (ring attention) and still be trained through.
     """
     bq, bk = _block_sizes(block_q, block_k, query.shape[1], key.shape[1])
-    return _with_lse(query, key, value, spec, bq, bk)
+    # Forward mode (jax.jvp, jacfwd) cannot enter the custom_vjp: push the tangent through the
+    # forward loops themselves instead (still O(N) memory). Seen on the inputs at dispatch.
+    plain = autodiff.requested(query, key, value, spec.bias) == {"forward_mode"}
+    return _with_lse(query, key, value, spec, bq, bk, plain)
 
 
-@functools.partial(jax.jit, static_argnums=(4, 5))
-def _with_lse(query, key, value, spec: AttentionSpec, bq: int, bk: int):
+@functools.partial(jax.jit, static_argnums=(4, 5, 6))
+def _with_lse(query, key, value, spec: AttentionSpec, bq: int, bk: int, plain: bool = False):
     # Jitted as a whole: one compilation per shape/spec instead of eager op-by-op dispatch.
     B, T, N, H = query.shape
     S, K, Hv = key.shape[1], key.shape[2], value.shape[3]
@@ -119,7 +123,7 @@ def _with_lse(query, key, value, spec: AttentionSpec, bq: int, bk: int):
     # Inside shard_map: every operand varies over the same mesh axes, so each cotangent has
     # its primal's type (JAX sums a replicated input's cotangent outside, as for any op).
     q4, k3, v3, bias5, aux = pvary((q4, k3, v3, bias5, aux), vma_of(q4, k3, v3, bias5, aux))
-    out4, lse3 = _flash(cfg, q4, k3, v3, bias5, aux)
+    out4, lse3 = (_forward_by_head if plain else _flash)(cfg, q4, k3, v3, bias5, aux)
     out = out4[:, :, :T].reshape(B, K, G, T, Hv).transpose(0, 3, 1, 2, 4).reshape(B, T, N, Hv)
     lse = lse3[:, :, :T].reshape(B, N, T)
     return out.astype(query.dtype), lse
