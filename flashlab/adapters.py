@@ -187,6 +187,22 @@ def _under_tpu_interpret(fn, params):
     return wrapped
 
 
+def _refuse_interpreted_vmap(name, params, *arrays):
+    """The official kernels in TPU interpret mode cannot run under ``jax.vmap``: say so.
+
+    JAX's TPU interpreter (jax 0.10) mis-counts the grid axis ``vmap`` adds to a
+    ``pallas_call`` and fails deep inside with a ``safe_zip`` length error. Compiled on a TPU
+    they batch fine, so only the interpreted request is refused.
+    """
+    from .autodiff import under_vmap
+    if params is not None and under_vmap(*arrays):
+        raise NotImplementedError(
+            f"backend {name!r} in TPU interpret mode (interpret=True) cannot run under "
+            "jax.vmap: JAX's TPU interpreter does not batch pallas_call; run it compiled on "
+            "a TPU, loop over the batch yourself, or use backend 'pallas_tpu', 'tiled', "
+            "'xla' or 'reference', which support vmap everywhere")
+
+
 def _pad_to(x, axis, multiple):
     n = x.shape[axis]
     pad = (-n) % multiple
@@ -229,6 +245,8 @@ def jax_pallas_flash_fn(query, key, value, spec, *, interpret=None):
     """
     from .kernels._pallas_compat import official_flash_attention
     fa = official_flash_attention()
+    _refuse_interpreted_vmap("jax_pallas_flash", _tpu_interpret_params(interpret), query, key,
+                             value, spec.bias)
     B, T, N, D = query.shape
     S = key.shape[1]
     blk = OFFICIAL_BLOCK
@@ -299,6 +317,7 @@ def splash_fn(query, key, value, spec, *, interpret=None):
     k, v = (_pad_to(jnp.swapaxes(x, 1, 2), 2, blk) for x in (key, value))   # [B, K, Sp, D]
     seg = _padded_segment_ids(spec, Tp, Sp)
     params = _tpu_interpret_params(interpret)
+    _refuse_interpreted_vmap("splash", params, query, key, value)
     kw = dict(head_shards=1, q_seq_shards=1, attn_logits_soft_cap=spec.soft_cap)
     if params is not None:
         kw["interpret"] = params

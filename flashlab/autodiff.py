@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import jax
 
-__all__ = ["FEATURES", "requested", "describe"]
+__all__ = ["FEATURES", "requested", "describe", "under_vmap"]
 
 FEATURES = frozenset({"forward_mode", "second_order"})
 
@@ -68,3 +68,16 @@ def requested(*arrays) -> frozenset:
 def describe(feature: str) -> str:
     """``feature 'forward_mode' (a tangent pushed forward: jax.jvp / jax.jacfwd)``."""
     return f"feature {feature!r} ({_WHAT[feature]})"
+
+
+def under_vmap(*arrays) -> bool:
+    """True if some input is batched by ``jax.vmap`` (a batch tracer at any depth)."""
+    from jax._src.interpreters import batching
+    for x in jax.tree_util.tree_leaves(arrays):
+        for _ in range(64):
+            if isinstance(x, batching.BatchTracer):
+                return True
+            if not hasattr(x, "primal"):
+                break
+            x = x.primal
+    return False
