@@ -10,19 +10,13 @@ import os
 import sys
 import time
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           " --xla_force_host_platform_device_count=8").strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import dist_cases  # noqa: E402  (8 CPU devices via XLA_FLAGS before jax loads; x64 on)
 import jax  # noqa: E402
-
-jax.config.update("jax_enable_x64", True)
-
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import flashlab  # noqa: E402
 from flashlab.conformance import random_qkv  # noqa: E402
@@ -30,8 +24,7 @@ from flashlab.distributed import sharded_attention  # noqa: E402
 from flashlab.reference import naive_attention, oracle_attention  # noqa: E402
 from flashlab.shard_map_compat import SHARD_MAP_SOURCE  # noqa: E402
 
-FWD_ATOL = 2e-5      # fp32 outputs of unit-scale inputs vs the float64 oracle
-GRAD_RTOL = 1e-4     # fp32 gradients, relative to the largest float64 gradient entry
+FWD_ATOL, GRAD_RTOL = dist_cases.FWD_ATOL, dist_cases.GRAD_RTOL   # the same tolerances
 # reference and xla have no loop carries or custom rules of their own; test_distributed.py
 # runs them under shard_map's checker (through sharded_attention).
 BACKENDS = ("tiled", "pallas_tpu")
@@ -117,7 +110,4 @@ def case_sharded_attention():
 CASES = {n[len("case_"):]: f for n, f in sorted(globals().items()) if n.startswith("case_")}
 
 if __name__ == "__main__":
-    assert jax.device_count() == 8, jax.devices()
-    for name in sys.argv[1:]:
-        CASES[name]()
-        print(f"ok {name}")
+    dist_cases.run(CASES, sys.argv[1:])
