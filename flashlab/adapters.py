@@ -21,6 +21,7 @@ import numpy as np
 
 from . import device
 from .masks import AttentionSpec
+from .shard_map_compat import vma_of
 
 __all__ = ["reference_fn", "xla_fn", "cudnn_fn", "tiled_fn", "pallas_tpu_fn",
            "jax_pallas_flash_fn", "splash_fn", "zero_invisible_rows", "blank_bias_as_mask",
@@ -148,8 +149,26 @@ def tiled_fn(query, key, value, spec, *, interpret=None):
 def pallas_tpu_fn(query, key, value, spec, *, interpret=None):
     """flashlab.kernels: our Pallas TPU kernels (branch ``kernel``); interpret off-TPU."""
     from .kernels import flash_attention_from_spec
+    mode = device.interpret_mode(interpret)
+    if mode is not False and vma_of(spec.q_lengths, spec.kv_lengths):
+        spec = _lengths_as_segments(spec)
     return _call_with_defaults(flash_attention_from_spec, query, key, value, spec,
-                               interpret=device.interpret_mode(interpret))
+                               interpret=mode)
+
+
+def _lengths_as_segments(spec: AttentionSpec) -> AttentionSpec:
+    """The same visibility with the lengths folded into segment ids (``_padded_segment_ids``).
+
+    Used for our kernels in interpret mode inside ``shard_map(check_vma=True)`` when the
+    lengths differ per device: JAX's Pallas interpreter (jax 0.10) slices scalar-prefetch
+    operands with its own loop index, which is not varying, and the checker rejects that
+    ("dynamic_slice requires varying manual axes to match"). Segment ids are ordinary
+    operands, so the kernel sees the same mask; only length-based block skipping is lost,
+    which an interpreter does not need.
+    """
+    q_seg, kv_seg = _padded_segment_ids(spec, spec.q_len, spec.kv_len)
+    return dataclasses.replace(spec, q_lengths=None, kv_lengths=None, q_segment_ids=q_seg,
+                               kv_segment_ids=kv_seg)
 
 
 # ----------------------------------------------------------------------------- official kernels
@@ -190,6 +209,22 @@ def _under_tpu_interpret(fn, params):
 
     wrapped.defvjp(fwd, bwd)
     return wrapped
+
+
+def _refuse_interpreted_vmap(name, params, *arrays):
+    """The official kernels in TPU interpret mode cannot run under ``jax.vmap``: say so.
+
+    JAX's TPU interpreter (jax 0.10) mis-counts the grid axis ``vmap`` adds to a
+    ``pallas_call`` and fails deep inside with a ``safe_zip`` length error. Compiled on a TPU
+    they batch fine, so only the interpreted request is refused.
+    """
+    from .autodiff import under_vmap
+    if params is not None and under_vmap(*arrays):
+        raise NotImplementedError(
+            f"backend {name!r} in TPU interpret mode (interpret=True) cannot run under "
+            "jax.vmap: JAX's TPU interpreter does not batch pallas_call; run it compiled on "
+            "a TPU, loop over the batch yourself, or use backend 'pallas_tpu', 'tiled', "
+            "'xla' or 'reference', which support vmap everywhere")
 
 
 def _pad_to(x, axis, multiple):
@@ -234,6 +269,8 @@ def jax_pallas_flash_fn(query, key, value, spec, *, interpret=None):
     """
     from .kernels._pallas_compat import official_flash_attention
     fa = official_flash_attention()
+    _refuse_interpreted_vmap("jax_pallas_flash", _tpu_interpret_params(interpret), query, key,
+                             value, spec.bias)
     B, T, N, D = query.shape
     S = key.shape[1]
     blk = OFFICIAL_BLOCK
@@ -305,6 +342,7 @@ def splash_fn(query, key, value, spec, *, interpret=None):
     k, v = (_pad_to(jnp.swapaxes(x, 1, 2), 2, blk) for x in (key, value))   # [B, K, Sp, D]
     seg = _padded_segment_ids(spec, Tp, Sp)
     params = _tpu_interpret_params(interpret)
+    _refuse_interpreted_vmap("splash", params, query, key, value)
     kw = dict(head_shards=1, q_seq_shards=1, attn_logits_soft_cap=spec.soft_cap)
     if params is not None:
         kw["interpret"] = params

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import registry
+from . import autodiff, registry
 from .masks import validate
 
 __all__ = ["attention", "explain", "as_flax_attention_fn"]
@@ -78,7 +78,8 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
         query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
         local_window_size=local_window_size, segment_ids=segment_ids,
         logits_soft_cap=logits_soft_cap, sinks=sinks, allow_empty=True)
-    choice = registry.choose(spec, backend, interpret=interpret)
+    choice = registry.choose(spec, backend, interpret=interpret,
+                             autodiff_features=autodiff.requested(q, k, v, spec.bias))
     lse = None
     if min(spec.batch, spec.q_len, spec.kv_len) == 0:      # as jax.nn: an empty/zero result
         out = jnp.zeros((spec.batch, spec.q_len, spec.num_heads, spec.head_dim_v), q.dtype)
@@ -150,12 +151,13 @@ def explain(query, key, value, bias=None, mask=None, *, scale=None, is_causal=Fa
     """
     backend = _backend_for(backend, implementation, return_residual)
     query, key, value, _ = _ensure_4d(query, key, value)
-    _, _, _, spec = validate(
+    query, key, value, spec = validate(
         query, key, value, bias, mask, scale=scale, is_causal=is_causal,
         query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
         local_window_size=local_window_size, segment_ids=segment_ids,
         logits_soft_cap=logits_soft_cap, sinks=sinks, allow_empty=True)
-    return registry.choose(spec, backend, interpret=interpret)
+    return registry.choose(spec, backend, interpret=interpret,
+                           autodiff_features=autodiff.requested(query, key, value, spec.bias))
 
 
 # ----------------------------------------------------------------------------- Flax adapter

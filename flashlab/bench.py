@@ -86,7 +86,13 @@ def run(*, backends=None, seq_lens=None, head_dims=None, dtypes=None, causals=(F
     head_dims = tuple(head_dims or (sizes.head_dim,))
     plat = device.platform()
     dtypes = tuple(dtypes or (("float32",) if plat == "cpu" else ("bfloat16",)))
-    batch, heads = batch or sizes.batch, heads or sizes.heads
+    batch = sizes.batch if batch is None else batch
+    heads = sizes.heads if heads is None else heads
+    for name, vals in (("batch", [batch]), ("heads", [heads]), ("repeats", [repeats]),
+                       ("seq_lens", seq_lens), ("head_dims", head_dims)):
+        for n in vals:
+            if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+                raise ValueError(f"{name}: expected positive ints, got {n!r}")
     names = list(backends or [b.name for b in registry.backends()])
     grid = [(n, t, d, dt, c) for n in names for dt in dtypes for d in head_dims
             for c in causals for t in seq_lens]
@@ -155,20 +161,50 @@ def format_table(rows) -> str:
     return "\n".join([fmt(head), fmt(["-" * w for w in widths])] + [fmt(l) for l in lines])
 
 
+def _positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (0 and negatives are refused, never a silent default)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {n}")
+    return n
+
+
+def _backend_name(text: str) -> str:
+    """argparse type: a registered backend name."""
+    known = [b.name for b in registry.backends()]
+    if text not in known:
+        raise argparse.ArgumentTypeError(f"unknown backend {text!r}; expected one of {known}")
+    return text
+
+
 def _parser():
+    sizes = "default: this platform's problem size, flashlab.device.problem_sizes()"
     p = argparse.ArgumentParser(
         prog="python -m flashlab bench",
-        description="Benchmark the available attention backends on this device. Subcommands: "
+        description="Benchmark the available attention backends on this device: median "
+                    "forward time, achieved FLOP/s, fraction of the device's peak and compiled "
+                    "peak memory per (backend, N, d, dtype, causal). Subcommands: "
                     + ", ".join(f"'bench {k}' ({v})" for k, v in SUBCOMMANDS.items()))
-    p.add_argument("--backends", nargs="+", help="backend names (default: all available)")
-    p.add_argument("--seq-lens", nargs="+", type=int, help="sequence lengths N (T = S = N)")
-    p.add_argument("--head-dims", nargs="+", type=int, help="head dims d")
+    p.add_argument("--backends", nargs="+", type=_backend_name, metavar="NAME",
+                   help="backend names to run (default: every registered backend; those that "
+                        "cannot run here are listed as skipped, with the reason)")
+    p.add_argument("--seq-lens", nargs="+", type=_positive_int, metavar="N",
+                   help=f"sequence lengths N, positive (T = S = N; {sizes})")
+    p.add_argument("--head-dims", nargs="+", type=_positive_int, metavar="D",
+                   help=f"head dims d, positive ({sizes})")
     p.add_argument("--dtype", nargs="+", choices=["float32", "bfloat16", "float16"],
                    help="input dtypes (default: float32 on CPU, bfloat16 elsewhere)")
-    p.add_argument("--causal", choices=["both", "yes", "no"], default="both")
-    p.add_argument("--batch", type=int)
-    p.add_argument("--heads", type=int)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--causal", choices=["both", "yes", "no"], default="both",
+                   help="causal masking: both (default), yes or no")
+    p.add_argument("--batch", type=_positive_int, metavar="B",
+                   help=f"batch size, positive ({sizes})")
+    p.add_argument("--heads", type=_positive_int, metavar="H",
+                   help=f"number of heads, positive ({sizes})")
+    p.add_argument("--repeats", type=_positive_int, default=5, metavar="R",
+                   help="timed calls per case, positive; the median is reported (default: 5)")
     p.add_argument("--quick", action="store_true",
                    help=f"a small grid (N in {QUICK_SEQ_LENS}, causal only, 3 repeats)")
     p.add_argument("--interpret", action="store_true",
@@ -176,7 +212,8 @@ def _parser():
                         "(their times measure the interpreter, not the kernel)")
     p.add_argument("--json", metavar="PATH", help="write the rows as JSON")
     p.add_argument("--plot", metavar="PATH", help="write a figure (png/svg/pdf)")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar on stderr (for logs and CI)")
     return p
 
 
@@ -188,10 +225,7 @@ def main(argv=None) -> int:
             print(f"bench {argv[0]}: {modname} is not on this checkout", file=sys.stderr)
             return 2
         return importlib.import_module(modname).main(argv[1:]) or 0
-    a = _parser().parse_args(argv)
-    if a.backends:
-        for n in a.backends:
-            registry.get(n)   # ValueError naming the known backends
+    a = _parser().parse_args(argv)   # bad values: a usage message and exit status 2
     causals = {"both": (False, True), "yes": (True,), "no": (False,)}[a.causal]
     seq_lens, repeats = a.seq_lens, a.repeats
     if a.quick:
@@ -217,6 +251,7 @@ def main(argv=None) -> int:
     for name, T, why in skipped:
         by_reason.setdefault((name, why), []).append(T)
     for (name, why), Ts in by_reason.items():
+        why = why.replace("pass interpret=True", "pass --interpret")   # the CLI's spelling
         print(f"skipped {name} (N={','.join(map(str, sorted(set(Ts))))}): {why}")
     if a.json:
         with open(a.json, "w") as f:

@@ -17,7 +17,7 @@ from typing import Callable
 
 import jax.numpy as jnp
 
-from . import adapters, device
+from . import adapters, autodiff, device
 from .masks import AttentionSpec
 
 __all__ = ["Backend", "Choice", "register", "backends", "get", "choose", "ALL_FEATURES",
@@ -59,6 +59,9 @@ class Backend:
       requires: import path that must be present (``None``: always importable).
       check: extra constraint beyond the declaration: ``check(spec) -> reason or None``.
       interpret_kind: what "interpret" means for it (for ``explain``).
+      autodiff: derivatives beyond first-order reverse mode (``flashlab.autodiff.FEATURES``:
+        ``"forward_mode"`` for ``jax.jvp``/``jacfwd``, ``"second_order"`` for grad of grad
+        and ``jax.hessian``), seen at dispatch by :func:`flashlab.autodiff.requested`.
     """
 
     name: str
@@ -74,6 +77,7 @@ class Backend:
     requires: str | None = None
     check: Callable[[AttentionSpec], str | None] | None = None
     interpret_kind: str = ""
+    autodiff: frozenset = frozenset()
 
     @property
     def gqa(self) -> bool:
@@ -100,7 +104,7 @@ class Backend:
         return (f"{self.name}: platforms={sorted(self.platforms)} "
                 f"interpret={sorted(self.interpret_platforms)} dtypes={sorted(self.dtypes)} "
                 f"features={sorted(self.features)} gradients={self.gradients} "
-                f"value_head_dim={self.value_head_dim}")
+                f"value_head_dim={self.value_head_dim} autodiff={sorted(self.autodiff)}")
 
     def mode(self, platform: str, interpret) -> str | None:
         """``"compiled"``, ``"interpret (...)"`` or ``None`` (cannot run here with that choice)."""
@@ -112,8 +116,11 @@ class Backend:
         return None
 
     def unsupported(self, spec: AttentionSpec, platform: str | None = None,
-                    interpret=None) -> list[str]:
-        """Reasons this backend cannot serve ``spec`` here (empty list: it can)."""
+                    interpret=None, autodiff_features=frozenset()) -> list[str]:
+        """Reasons this backend cannot serve ``spec`` here (empty list: it can).
+
+        ``autodiff_features``: what :func:`flashlab.autodiff.requested` saw in the inputs.
+        """
         platform = device.platform() if platform is None else platform
         why = []
         if self.mode(platform, interpret) is None:
@@ -128,6 +135,8 @@ class Backend:
             why.append(f"feature {f!r}")
         if spec.head_dim_v != spec.head_dim and not self.value_head_dim:
             why.append("feature 'value_head_dim' (value head_dim != query head_dim)")
+        for f in sorted(frozenset(autodiff_features) - self.autodiff):
+            why.append(autodiff.describe(f))
         if self.check is not None:
             extra = self.check(spec)
             if extra:
@@ -174,9 +183,9 @@ def get(name: str) -> Backend:
     return _REGISTRY[name]
 
 
-def _supporters(spec, platform, interpret, exclude) -> list[str]:
+def _supporters(spec, platform, interpret, exclude, autodiff_features=frozenset()) -> list[str]:
     return [b.name for b in backends() if b.name != exclude and b.availability() is None
-            and not b.unsupported(spec, platform, interpret)]
+            and not b.unsupported(spec, platform, interpret, autodiff_features)]
 
 
 # Preference order of `auto` per platform (first that is available and supports the request).
@@ -197,8 +206,11 @@ _WHY = {
 
 
 def choose(spec: AttentionSpec, backend: str = "auto", *, interpret=None,
-           platform: str | None = None) -> Choice:
+           platform: str | None = None, autodiff_features=frozenset()) -> Choice:
     """Pick the backend for ``spec`` (``"auto"`` or a name) and say why.
+
+    ``autodiff_features`` (from :func:`flashlab.autodiff.requested`) are required like the
+    spec's own features: ``auto`` never picks a backend that cannot differentiate that way.
 
     Raises ``NotImplementedError`` if a named backend's declaration excludes the request,
     naming the feature and the backends that do support it, and ``RuntimeError`` if it is
@@ -210,9 +222,9 @@ def choose(spec: AttentionSpec, backend: str = "auto", *, interpret=None,
         missing = b.availability()
         if missing:
             raise RuntimeError(f"backend {b.name!r} is not available: {missing}")
-        why = b.unsupported(spec, platform, interpret)
+        why = b.unsupported(spec, platform, interpret, autodiff_features)
         if why:
-            others = _supporters(spec, platform, interpret, b.name)
+            others = _supporters(spec, platform, interpret, b.name, autodiff_features)
             raise NotImplementedError(
                 f"backend {b.name!r} does not support {', '.join(why)} "
                 f"(its declaration: {b.declaration()}); backends that support this request "
@@ -232,7 +244,7 @@ def choose(spec: AttentionSpec, backend: str = "auto", *, interpret=None,
         if missing:
             considered.append((name, f"unavailable: {missing}"))
             continue
-        why = b.unsupported(spec, platform, interpret)
+        why = b.unsupported(spec, platform, interpret, autodiff_features)
         if why:
             considered.append((name, "does not support " + ", ".join(why)))
             continue
@@ -250,14 +262,15 @@ def choose(spec: AttentionSpec, backend: str = "auto", *, interpret=None,
 
 register(Backend(
     "reference", "naive attention in jnp (materializes the score matrix)", adapters.reference_fn,
-    platforms=frozenset(PLATFORMS)))
+    platforms=frozenset(PLATFORMS), autodiff=autodiff.FEATURES))
 register(Backend(
     "xla", "jax.nn.dot_product_attention(implementation='xla')", adapters.xla_fn,
     platforms=frozenset(PLATFORMS),
-    features=ALL_FEATURES - {"soft_cap", "sinks"}, value_head_dim=False))
+    features=ALL_FEATURES - {"soft_cap", "sinks"}, value_head_dim=False, autodiff=autodiff.FEATURES))
 register(Backend(
     "tiled", "flashlab.tiled: blockwise attention in plain JAX, custom_vjp backward",
-    adapters.tiled_fn, platforms=frozenset(PLATFORMS), requires="flashlab.tiled"))
+    adapters.tiled_fn, platforms=frozenset(PLATFORMS), requires="flashlab.tiled",
+    autodiff=frozenset({"forward_mode"})))   # jvp through its forward loops (flashlab.tiled)
 register(Backend(
     "pallas_tpu", "flashlab.kernels: our Pallas TPU flash attention", adapters.pallas_tpu_fn,
     platforms=frozenset({"tpu"}), interpret_platforms=frozenset({"cpu", "gpu"}),

@@ -33,8 +33,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import autodiff
 from . import online_softmax as osm
 from .masks import AttentionSpec, block_maybe_visible, structural_visible, validate
+from .shard_map_compat import pvary, vma_of
 
 __all__ = ["tiled_attention", "tiled_attention_from_spec", "tiled_attention_with_lse_from_spec",
            "tiled_hbm_bytes", "DEFAULT_BLOCK_Q", "DEFAULT_BLOCK_K", "block_tables",
@@ -97,11 +99,14 @@ def tiled_attention_with_lse_from_spec(query, key, value, spec: AttentionSpec, *
     outside (ring attention) and still be trained through.
     """
     bq, bk = _block_sizes(block_q, block_k, query.shape[1], key.shape[1])
-    return _with_lse(query, key, value, spec, bq, bk)
+    # Forward mode (jax.jvp, jacfwd) cannot enter the custom_vjp: push the tangent through the
+    # forward loops themselves instead (still O(N) memory). Seen on the inputs at dispatch.
+    plain = autodiff.requested(query, key, value, spec.bias) == {"forward_mode"}
+    return _with_lse(query, key, value, spec, bq, bk, plain)
 
 
-@functools.partial(jax.jit, static_argnums=(4, 5))
-def _with_lse(query, key, value, spec: AttentionSpec, bq: int, bk: int):
+@functools.partial(jax.jit, static_argnums=(4, 5, 6))
+def _with_lse(query, key, value, spec: AttentionSpec, bq: int, bk: int, plain: bool = False):
     # Jitted as a whole: one compilation per shape/spec instead of eager op-by-op dispatch.
     B, T, N, H = query.shape
     S, K, Hv = key.shape[1], key.shape[2], value.shape[3]
@@ -124,7 +129,10 @@ def _with_lse(query, key, value, spec: AttentionSpec, bq: int, bk: int):
     if spec.sinks is not None:
         sinks2 = jnp.tile(spec.sinks.astype(jnp.float32).reshape(1, K, G), (B, 1, 1))
         sinks2 = sinks2.reshape(B * K, G)
-    out4, lse3 = _flash(cfg, q4, k3, v3, bias5, aux, sinks2)
+    # Inside shard_map: every operand varies over the same mesh axes, so each cotangent has
+    # its primal's type (JAX sums a replicated input's cotangent outside, as for any op).
+    q4, k3, v3, bias5, aux = pvary((q4, k3, v3, bias5, aux), vma_of(q4, k3, v3, bias5, aux))
+    out4, lse3 = (_forward_by_head if plain else _flash)(cfg, q4, k3, v3, bias5, aux, sinks2)
     out = out4[:, :, :T].reshape(B, K, G, T, Hv).transpose(0, 3, 1, 2, 4).reshape(B, T, N, Hv)
     lse = lse3[:, :, :T].reshape(B, N, T)
     return out.astype(query.dtype), lse
@@ -418,6 +426,7 @@ def _forward(cfg: _Config, q4, k3, v3, bias5, aux: _Aux, sinks2=None):
     Hv = v3.shape[-1]
     ranges, used = _tables(cfg, aux, transposed=False)              # [4, Tr]
     qs = _prescale(cfg, q4)
+    axes = vma_of(q4, k3, v3, bias5, aux)
 
     def q_block(i):
         q_blk = _q_rows(qs, cfg, i)                                 # [BK, G·bq, d]
@@ -433,8 +442,9 @@ def _forward(cfg: _Config, q4, k3, v3, bias5, aux: _Aux, sinks2=None):
 
         bounds = _bounds(ranges, i, row_len=aux.q_lengths, row_block=cfg.bq,
                          col_len=aux.kv_lengths, col_block=cfg.bk)
+        # Inside shard_map the initial state varies over the mesh axes its data does.
         state = _three_loops(bounds, used, kv_step(True), kv_step(False),
-                             osm.init((BK, G * cfg.bq), Hv, _acc(q4.dtype)))
+                             pvary(osm.init((BK, G * cfg.bq), Hv, _acc(q4.dtype)), axes))
         if sinks2 is not None:
             state = osm.merge(state, osm.sink_state(jnp.repeat(sinks2, cfg.bq, axis=-1), Hv))
         out, lse = osm.finalize(state)
@@ -451,6 +461,7 @@ def _backward(cfg: _Config, q4, k3, v3, bias5, aux: _Aux, out4, lse3, dout4, dls
     Sp, Hv = k3.shape[1], v3.shape[-1]
     f32 = _acc(q4.dtype)                          # float32 (float64 for float64 inputs)
     ranges, used = _tables(cfg, aux, transposed=True)               # [4, Tc]
+    axes = vma_of(q4, k3, v3, bias5, aux, dout4, dlse3)   # loop carries vary as the data do
     lowp = jnp.dtype(q4.dtype).itemsize < 4
     mm_dtype = q4.dtype if lowp else f32          # dtype of P, dS fed to the matmuls
     qs = _prescale(cfg, q4)
@@ -504,14 +515,15 @@ def _backward(cfg: _Config, q4, k3, v3, bias5, aux: _Aux, out4, lse3, dout4, dls
 
         bounds = _bounds(ranges, j, row_len=aux.kv_lengths, row_block=cfg.bk,
                          col_len=aux.q_lengths, col_block=cfg.bq)
-        zeros = (jnp.zeros((BK, cfg.bk, H), f32), jnp.zeros((BK, cfg.bk, Hv), f32))
+        zeros = pvary((jnp.zeros((BK, cfg.bk, H), f32), jnp.zeros((BK, cfg.bk, Hv), f32)), axes)
         dq, dbias, dk, dv = _three_loops(bounds, used, q_step(True), q_step(False),
                                          (dq, dbias, *zeros))
         return (dq, dbias), (dk, dv)
 
     dq0 = jnp.zeros((BK, G, Tp, H), f32)
     db0 = jnp.zeros(()) if bias5 is None else jnp.zeros(bias5.shape, f32)
-    (dq, dbias), (dk, dv) = jax.lax.scan(kv_block, (dq0, db0), jnp.arange(Sp // cfg.bk))
+    (dq, dbias), (dk, dv) = jax.lax.scan(kv_block, pvary((dq0, db0), axes),
+                                         jnp.arange(Sp // cfg.bk))
     # dQ = scale · dS K, applied once per element rather than per tile; dK = scale · dSᵀ Q
     # already holds the scale when q was pre-scaled (>= 32-bit dtypes).
     dq = dq * cfg.scale
@@ -592,7 +604,7 @@ def _backward_by_head(cfg: _Config, q4, k3, v3, bias5, aux: _Aux, out4, lse3, do
 
     db0 = jnp.zeros(()) if bias5 is None else jnp.zeros(bias5.shape, _acc(q4.dtype))
     xs = (jnp.arange(q4.shape[0]), q4, k3, v3, out4, lse3, dout4, dlse3)
-    dbias, (dq, dk, dv) = jax.lax.scan(one, db0, xs)
+    dbias, (dq, dk, dv) = jax.lax.scan(one, pvary(db0, vma_of(xs, bias5, aux)), xs)
     return dq, dk, dv, (None if bias5 is None else dbias)
 
 

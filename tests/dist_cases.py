@@ -190,10 +190,15 @@ def case_errors():
         q2, k2, v2, mesh=mesh, axis_name="sp", query_seq_lengths=np.array([1, 99])))
 
 
+def run(cases: dict, names) -> None:
+    """Run the named cases on the 8 devices, printing ``ok NAME`` after each."""
+    assert jax.device_count() == 8, jax.devices()
+    for name in names:
+        cases[name]()
+        print(f"ok {name}")
+
+
 CASES = {n[len("case_"):]: f for n, f in sorted(globals().items()) if n.startswith("case_")}
 
 if __name__ == "__main__":
-    assert jax.device_count() == 8, jax.devices()
-    for name in sys.argv[1:]:
-        CASES[name]()
-        print(f"ok {name}")
+    run(CASES, sys.argv[1:])

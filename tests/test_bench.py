@@ -40,8 +40,55 @@ def test_bench_subcommand_dispatch_and_unknown_backend(monkeypatch):
     monkeypatch.setitem(sys.modules, "fake_bench_tiled", fake)
     monkeypatch.setitem(bench.SUBCOMMANDS, "tiled", "fake_bench_tiled")
     assert bench.main(["tiled", "--quick"]) == 0 and seen == [["--quick"]]
-    with pytest.raises(ValueError, match="backend: expected"):
-        bench.main(["--backends", "nope"])
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--heads", "0"], ["--heads", "positive integer", "0"]),
+    (["--batch", "0"], ["--batch", "positive integer", "0"]),
+    (["--repeats", "0"], ["--repeats", "positive integer", "0"]),
+    (["--seq-lens", "-5"], ["--seq-lens", "positive integer", "-5"]),
+    (["--seq-lens", "64", "x"], ["--seq-lens", "positive integer", "'x'"]),
+    (["--head-dims", "0"], ["--head-dims", "positive integer", "0"]),
+    (["--backends", "nope"], ["--backends", "unknown backend 'nope'", "'tiled'"]),
+    (["--dtype", "int8"], ["--dtype", "invalid choice", "'int8'"]),
+    (["--causal", "maybe"], ["--causal", "invalid choice"]),
+])
+def test_bench_bad_arguments_exit_2_with_a_usage_message(argv, words, capsys):
+    """Refused by argparse before anything runs: exit status 2, the option, value and want."""
+    with pytest.raises(SystemExit) as e:
+        bench.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: python -m flashlab bench")
+    for w in words:
+        assert w in err, (w, err)
+
+
+def test_bench_help_describes_every_option(capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    options = [a for a in bench._parser()._actions if a.option_strings]
+    assert len(options) >= 14
+    for action in options:
+        assert action.help and action.help.strip(), action.option_strings
+        assert action.option_strings[-1] in out
+    assert "number of heads, positive" in out and "timed calls per case" in out
+
+
+def test_bench_run_refuses_non_positive_sizes():
+    with pytest.raises(ValueError, match="heads: expected positive ints, got 0"):
+        bench.run(backends=["reference"], seq_lens=(8,), heads=0, progress=False)
+
+
+def test_bench_skip_line_names_the_cli_flag(capsys):
+    """An official kernel off its TPU is skipped with the CLI's spelling of the fix."""
+    assert bench.main(["--backends", "splash", "--seq-lens", "128", "--repeats", "1",
+                       "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "skipped splash (N=128)" in out and "pass --interpret" in out
+    assert "interpret=True" not in out
 
 
 def test_tile_matmuls_probe_is_the_tiled_loops_matmuls():

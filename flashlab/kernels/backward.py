@@ -325,7 +325,7 @@ def _call(gs: BackwardGridSpec, kernel_fn, kernel: str, interpret, q_lengths, kv
     return pl.pallas_call(
         functools.partial(kernel_fn, cfg=gs.config, names=gs.in_names, **kw),
         grid_spec=gs.pallas_grid_spec(),
-        out_shape=list(gs.out_shapes),
+        out_shape=fwd.varying_out_shapes(gs, q_lengths, kv_lengths, *ops),
         compiler_params=compat.CompilerParams(dimension_semantics=gs.dimension_semantics,
                                               **kwargs),
         cost_estimate=_cost_estimate(gs, kernel),

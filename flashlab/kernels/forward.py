@@ -28,6 +28,7 @@ import numpy as np
 
 from .. import device, masks, online_softmax
 from ..masks import AttentionSpec
+from ..shard_map_compat import in_manual_mesh, pvary, shape_dtype, vma_of
 from . import _pallas_compat as compat
 from . import blocks as blk
 from ._pallas_compat import pl
@@ -415,6 +416,16 @@ def _cost_estimate(cfg: ForwardConfig, gs: ForwardGridSpec) -> Any:
                                bytes_accessed=int(read + written))
 
 
+def varying_out_shapes(gs, *operands) -> list:
+    """``gs.out_shapes`` varying over the mesh axes the operands vary over.
+
+    Inside ``shard_map(check_vma=True)`` a ``pallas_call`` must be told how its outputs vary;
+    outside it (no manual axes) these are ``gs.out_shapes`` unchanged.
+    """
+    axes = vma_of(operands)
+    return [shape_dtype(s.shape, s.dtype, axes) for s in gs.out_shapes]
+
+
 def _pallas_forward(cfg: ForwardConfig, interpret, q_lengths, kv_lengths, *operands):
     gs = forward_grid_spec(cfg)
     kernel = functools.partial(_forward_kernel, cfg=cfg, names=gs.in_names)
@@ -424,7 +435,7 @@ def _pallas_forward(cfg: ForwardConfig, interpret, q_lengths, kv_lengths, *opera
     out = pl.pallas_call(
         kernel,
         grid_spec=gs.pallas_grid_spec(),
-        out_shape=list(gs.out_shapes),
+        out_shape=varying_out_shapes(gs, q_lengths, kv_lengths, *operands),
         compiler_params=compat.CompilerParams(dimension_semantics=gs.dimension_semantics,
                                               **kwargs),
         cost_estimate=_cost_estimate(cfg, gs),
@@ -471,18 +482,29 @@ def _forward(query, key, value, spec, *, cfg: ForwardConfig, interpret):
     return o, lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _attention(query, key, value, spec, cfg, bwd_cfg, interpret):
+def _attention_impl(query, key, value, spec, cfg, bwd_cfg, interpret):
     return _forward(query, key, value, spec, cfg=cfg, interpret=interpret)[0]
+
+
+# Two registrations of one rule. ``_attention`` asks for symbolic zeros, so the backward knows
+# whether the bias is differentiated (a constant bias, e.g. ALiBi, gets no [B, N, T, S] dS
+# written). JAX does not implement symbolic zeros inside shard_map, so there
+# ``_attention_manual`` is used: it treats a bias as differentiated (its cotangent is dropped
+# by the caller when it is not).
+_attention = jax.custom_vjp(_attention_impl, nondiff_argnums=(4, 5, 6))
+_attention_manual = jax.custom_vjp(_attention_impl, nondiff_argnums=(4, 5, 6))
 
 
 def _attention_fwd(query, key, value, spec, cfg, bwd_cfg, interpret):
     # symbolic_zeros=True: every array leaf arrives as CustomVJPPrimal(value, perturbed), so
     # the backward knows whether the bias is differentiated (a constant bias gets no dS).
     is_primal = lambda x: isinstance(x, jax.custom_derivatives.CustomVJPPrimal)  # noqa: E731
-    with_dbias = spec.bias is not None and bool(spec.bias.perturbed)
-    query, key, value, spec = jax.tree_util.tree_map(lambda x: x.value, (query, key, value, spec),
-                                                     is_leaf=is_primal)
+    if is_primal(query):
+        with_dbias = spec.bias is not None and bool(spec.bias.perturbed)
+        query, key, value, spec = jax.tree_util.tree_map(
+            lambda x: x.value, (query, key, value, spec), is_leaf=is_primal)
+    else:                                                 # _attention_manual
+        with_dbias = spec.bias is not None
     # Differentiated: also emit lse [B, N, T] (O(N)), the only residual besides the inputs/O.
     out, lse = _forward(query, key, value, spec, cfg=dataclasses.replace(cfg, return_lse=True),
                         interpret=interpret)
@@ -508,6 +530,7 @@ def _attention_bwd(cfg, bwd_cfg, interpret, residuals, d_out):
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
+_attention_manual.defvjp(_attention_fwd, _attention_bwd)
 
 
 def _sink_grad(sinks, out, lse, d_out):
@@ -531,7 +554,11 @@ def flash_attention_from_spec(query, key, value, spec: AttentionSpec, *, block_q
     from .backward import make_backward_config
     cfg = make_config(spec, block_q=block_q, block_k=block_k, chip=chip)
     bwd_cfg = make_backward_config(spec, block_q=block_q, block_k=block_k, chip=chip)
-    return _attention(query, key, value, spec, cfg, bwd_cfg, _resolve_interpret(interpret))
+    f = _attention_manual if in_manual_mesh() else _attention
+    # Inside shard_map: every operand varies over the same mesh axes, so each cotangent has
+    # its primal's type (JAX sums a replicated input's cotangent outside, as for any op).
+    query, key, value, spec = pvary((query, key, value, spec), vma_of(query, key, value, spec))
+    return f(query, key, value, spec, cfg, bwd_cfg, _resolve_interpret(interpret))
 
 
 def flash_attention_forward(query, key, value, spec: AttentionSpec, *, block_q=None,
