@@ -23,7 +23,7 @@ __all__ = ["attention", "explain", "as_flax_attention_fn"]
 def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
               query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
               segment_ids=None, logits_soft_cap=None, backend: str = "auto", interpret=None,
-              explain: bool = False):
+              explain: bool = False, q_offset=None, kv_offset=None):
     """Scaled dot-product attention through the backend that suits the request.
 
     Args:
@@ -43,6 +43,9 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
         kernels interpret, the official TPU kernels refuse), ``True`` = interpret (official
         kernels: TPU interpret mode), or a ``pltpu.InterpretParams``.
       explain: also return the :class:`flashlab.registry.Choice` (which backend and why).
+      q_offset, kv_offset: global positions of the first query / key (int or traced int32
+        scalar): causal, window and lengths are evaluated at global positions and lengths are
+        global (one block of a longer sequence, as ring attention computes it).
 
     Returns:
       ``[batch, q_seq, heads, value_head_dim]`` in the query's dtype (and the ``Choice`` when
@@ -58,7 +61,7 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
         query, key, value, bias, mask, scale=scale, is_causal=is_causal,
         query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
         local_window_size=local_window_size, segment_ids=segment_ids,
-        logits_soft_cap=logits_soft_cap)
+        logits_soft_cap=logits_soft_cap, q_offset=q_offset, kv_offset=kv_offset)
     choice = registry.choose(spec, backend, interpret=interpret)
     out = registry.get(choice.backend).fn(q, k, v, spec, interpret=interpret)
     return (out, choice) if explain else out
