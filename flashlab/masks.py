@@ -295,9 +295,9 @@ def _check_4d(name, x, B, N, T, S, kind):
 
 
 def _check_offset(name, x):
-    """``(int32 scalar array or None, static int or None)`` for ``q_offset``/``kv_offset``."""
+    """``q_offset``/``kv_offset`` as an int32 scalar array (or ``None``)."""
     if x is None:
-        return None, None
+        return None
     if isinstance(x, bool) or not (isinstance(x, (int, np.integer)) or hasattr(x, "dtype")):
         raise TypeError(f"{name}: expected an int >= 0 or an int32 scalar array, got {x!r}")
     if hasattr(x, "dtype"):
@@ -308,7 +308,7 @@ def _check_offset(name, x):
     static = None if isinstance(x, jax.core.Tracer) else int(np.asarray(x))
     if static is not None and static < 0:
         raise ValueError(f"{name}: expected a global position >= 0, got {static}")
-    return jnp.asarray(x, jnp.int32), static
+    return jnp.asarray(x, jnp.int32)
 
 
 def _check_lengths(name, x, B, limit):
@@ -377,7 +377,7 @@ def validate(query, key, value, bias=None, mask=None, *, scale=None, is_causal=F
 
     ``q_offset``/``kv_offset`` (int >= 0 or a traced int32 scalar; default none): the global
     position of the first query/key of this block; lengths are then global valid lengths
-    (checked against ``offset + local length`` when the offset is static).
+    (checked to be >= 0 only: the sequence may go on past this block).
 
     Raises ``TypeError``/``ValueError`` naming the argument, the value given and what was
     expected. Nothing is broadcast silently: mask and bias must be rank 4 with each of the
@@ -408,10 +408,11 @@ def validate(query, key, value, bias=None, mask=None, *, scale=None, is_causal=F
             raise ValueError(f"logits_soft_cap: expected a float > 0, got {logits_soft_cap!r}")
         logits_soft_cap = float(logits_soft_cap)
     window = _check_window(local_window_size)
-    q_off, q_off_static = _check_offset("q_offset", q_offset)
-    kv_off, kv_off_static = _check_offset("kv_offset", kv_offset)
-    q_limit = T if q_off is None else (None if q_off_static is None else q_off_static + T)
-    kv_limit = S if kv_off is None else (None if kv_off_static is None else kv_off_static + S)
+    q_off = _check_offset("q_offset", q_offset)
+    kv_off = _check_offset("kv_offset", kv_offset)
+    # With an offset the lengths are global: the sequence may go on past this block.
+    q_limit = T if q_off is None else None
+    kv_limit = S if kv_off is None else None
     q_lengths = _check_lengths("query_seq_lengths", query_seq_lengths, B, q_limit)
     kv_lengths = _check_lengths("key_value_seq_lengths", key_value_seq_lengths, B, kv_limit)
     q_seg, kv_seg = _check_segments(segment_ids, B, T, S)
