@@ -18,7 +18,7 @@ __all__ = ["naive_attention", "attention_from_spec", "oracle_attention"]
 
 def naive_attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
                     query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
-                    segment_ids=None, logits_soft_cap=None):
+                    segment_ids=None, logits_soft_cap=None, q_offset=None, kv_offset=None):
     """Softmax attention the textbook way.
 
     Args:
@@ -34,6 +34,7 @@ def naive_attention(query, key, value, bias=None, mask=None, *, scale=None, is_c
       segment_ids: int ``[batch, seq]`` (self-attention) or a pair ``(q_ids, kv_ids)``;
         tokens see only keys of their own segment.
       logits_soft_cap: ``c > 0``: logits become ``c * tanh(logits / c)`` after scaling.
+      q_offset, kv_offset: global positions of query 0 / key 0 (see :mod:`flashlab.masks`).
 
     Returns:
       ``[batch, q_seq, heads, head_dim]`` in the query's dtype. A query row with no visible
@@ -43,7 +44,7 @@ def naive_attention(query, key, value, bias=None, mask=None, *, scale=None, is_c
         query, key, value, bias, mask, scale=scale, is_causal=is_causal,
         query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
         local_window_size=local_window_size, segment_ids=segment_ids,
-        logits_soft_cap=logits_soft_cap)
+        logits_soft_cap=logits_soft_cap, q_offset=q_offset, kv_offset=kv_offset)
     return attention_from_spec(query, key, value, spec)
 
 
@@ -82,11 +83,12 @@ def attention_from_spec(query, key, value, spec: AttentionSpec):
 
 def oracle_attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
                      query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
-                     segment_ids=None, logits_soft_cap=None, return_lse=False):
+                     segment_ids=None, logits_soft_cap=None, return_lse=False, q_offset=None,
+                     kv_offset=None):
     """Float64 NumPy attention, written independently of the JAX code paths: the truth.
 
     Same arguments and layout as :func:`naive_attention` (inputs are converted to float64
-    NumPy). Returns ``[batch, q_seq, heads, head_dim]`` float64 (and ``lse [batch, heads,
+    NumPy; offsets shift the positions that causal, window and lengths see). Returns ``[batch, q_seq, heads, head_dim]`` float64 (and ``lse [batch, heads,
     q_seq]`` with ``return_lse``). Rows with no visible key are zeros (lse ``-inf``).
     """
     q, k, v = (np.asarray(x, np.float64) for x in (query, key, value))
@@ -102,8 +104,8 @@ def oracle_attention(query, key, value, bias=None, mask=None, *, scale=None, is_
     if bias is not None:
         s = s + np.asarray(bias, np.float64)
     vis = np.ones((B, N, T, S), bool)
-    i = np.arange(T)[:, None]
-    j = np.arange(S)[None, :]
+    i = np.arange(T)[:, None] + int(q_offset or 0)
+    j = np.arange(S)[None, :] + int(kv_offset or 0)
     if mask is not None:
         vis &= np.asarray(mask, bool)
     if is_causal:
