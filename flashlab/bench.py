@@ -36,7 +36,7 @@ TPU_PEAK_BF16_FLOPS = {
     "7x": 2307e12,
 }
 
-SUBCOMMANDS = {"tiled": "flashlab.bench_tiled"}
+SUBCOMMANDS = {"tiled": "flashlab.bench_tiled", "ring": "flashlab.bench_ring"}
 
 QUICK_SEQ_LENS = (128, 256, 512)
 

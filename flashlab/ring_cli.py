@@ -25,7 +25,7 @@ import subprocess
 import sys
 import time
 
-__all__ = ["main", "free_port", "launch", "worker"]
+__all__ = ["main", "free_port", "launch", "worker", "wait_for_coordinator"]
 
 FWD_ATOL = 2e-5      # fp32 outputs of unit-scale inputs vs the float64 oracle (as the tests)
 GRAD_RTOL = 1e-4     # fp32 gradients relative to the largest float64 gradient entry
@@ -116,10 +116,31 @@ def launch(args, argv) -> int:
 
 # ----------------------------------------------------------------------------- worker
 
+def wait_for_coordinator(address: str, timeout: float, process_id: int) -> None:
+    """Poll a TCP connect to ``host:port`` until it succeeds; ``RuntimeError`` after ``timeout``.
+
+    JAX's client aborts the whole process (no Python exception) when it cannot register with
+    the coordinator, so workers other than 0 check reachability first, in Python.
+    """
+    host, _, port = address.rpartition(":")
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.create_connection((host, int(port)), timeout=1.0):
+                return
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                raise RuntimeError(f"process {process_id}: could not reach the coordinator at "
+                                   f"{address} within {timeout:g} s ({e})") from None
+            time.sleep(0.2)
+
+
 def _initialize(args):
     """Join the distributed runtime; a clear error naming this process if it cannot."""
     import jax  # noqa: PLC0415
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if args.worker != 0:
+        wait_for_coordinator(args.coordinator, args.timeout, args.worker)
     try:
         jax.distributed.initialize(coordinator_address=args.coordinator,
                                    num_processes=args.processes, process_id=args.worker,
