@@ -145,7 +145,8 @@ def _initialize(args):
         jax.distributed.initialize(coordinator_address=args.coordinator,
                                    num_processes=args.processes, process_id=args.worker,
                                    initialization_timeout=max(1, int(args.timeout)),
-                                   heartbeat_timeout_seconds=max(10, int(args.timeout)))
+                                   heartbeat_timeout_seconds=max(10, int(args.timeout)),
+                                   shutdown_timeout_seconds=max(1, int(args.timeout)))
     except Exception as e:  # noqa: BLE001 -- re-raised with who and where
         raise RuntimeError(f"process {args.worker}: could not reach the coordinator at "
                            f"{args.coordinator} within {args.timeout:g} s "
@@ -253,6 +254,9 @@ def main(argv=None) -> int:
         return launch(args, argv)
     try:
         return worker(args)
-    except (ValueError, TypeError, NotImplementedError, RuntimeError) as e:
-        print(f"ring: {e}", file=sys.stderr)
-        return 1
+    except (Exception, SystemExit) as e:  # noqa: BLE001 -- any failure: say it, exit now
+        print(f"ring: {e}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        # Skip JAX's exit-time shutdown barrier, which would wait for the peers this process
+        # is abandoning; the launcher sees the status at once and stops the others.
+        os._exit(1)
