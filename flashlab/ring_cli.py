@@ -203,11 +203,13 @@ def worker(args) -> int:
     def loss(q, k, v, do):
         return jnp.sum(ring_attention(q, k, v, **ring, **kw) * do)
 
-    fwd = jax.jit(lambda q, k, v: ring_attention(q, k, v, **ring, **kw))
-    bwd = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+    fwd = jax.jit(lambda q, k, v: ring_attention(q, k, v, **ring, **kw)).lower(gq, gk, gv).compile()
+    bwd = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(gq, gk, gv, gdo).compile()
+    ma = bwd.memory_analysis()                              # per device: the SPMD program
+    peak = ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes
 
     def timed(fn, *a):
-        jax.block_until_ready(fn(*a))                       # compile + first run
+        jax.block_until_ready(fn(*a))                       # first run
         ts = []
         for _ in range(max(1, args.repeats)):
             t0 = time.perf_counter()
@@ -231,6 +233,8 @@ def worker(args) -> int:
     rel = [float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30)) for a, b in zip(grads, g_ref)]
     print(f"ring attention over {P} devices in {jax.process_count()} processes "
           f"(backend={args.backend}, layout={args.layout}, {kw}); B={B} N={N} H={H} K={K} d={d}")
+    print(f"per-device bytes of the forward+backward program (XLA memory analysis): "
+          f"{peak / 2**20:.2f} MiB (global Q, K, V: {3 * q.nbytes / 2**20:.2f} MiB)")
     print(f"{'device':>6} {'process':>7} {'blocks':>6} {'fwd ms':>8} {'fwd+bwd ms':>10}")
     for i, dev in enumerate(mesh.devices.flat):             # i = position on the ring
         t = times[dev.process_index]
