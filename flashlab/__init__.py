@@ -9,6 +9,7 @@ from . import adapters, api, registry
 from . import comm_model, distributed, ring_layout
 from . import kernels, roofline, tiled, traffic
 from . import conformance, leaks, profiling
+from . import tpu_compile
 from .api import as_flax_attention_fn, attention, explain
 from .distributed import ring_attention, sharded_attention
 from .kernels import flash_attention
@@ -38,6 +39,7 @@ __all__ = [
     # modules
     "device", "masks", "online_softmax", "reference", "registry", "api", "adapters",
     "distributed", "ring_layout", "comm_model", "kernels", "traffic", "roofline", "tiled", "conformance", "leaks", "profiling",
+    "tpu_compile",
     # chapter 11: a document model that reuses the kernel (needs flax; imported on first use)
     "models",
 ]

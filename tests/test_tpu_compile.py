@@ -1,0 +1,136 @@
+"""flashlab.tpu_compile: its errors, and the kernels taking their chip from the compile target.
+
+The tests marked ``tpu_compile`` need libtpu (``pip install "jax[tpu]"``); they skip without it
+unless ``FLASHLAB_REQUIRE_LIBTPU=1`` (set by ``.ci/dev.py test``), where they fail instead.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import flashlab
+from flashlab import device, tpu_compile
+from flashlab.kernels import blocks as blk
+from flashlab.kernels._pallas_compat import pl
+
+HAVE = tpu_compile.available()
+needs_libtpu = pytest.mark.skipif(
+    not HAVE and os.environ.get("FLASHLAB_REQUIRE_LIBTPU") != "1",
+    reason=f"libtpu (the TPU compiler) is not installed: {tpu_compile.INSTALL}")
+
+Q = jax.ShapeDtypeStruct((1, 4096, 2, 256), jnp.float32)
+
+
+def _grad(*a, **kw):
+    loss = lambda *a: flashlab.flash_attention(*a, **kw, interpret=False).sum()  # noqa: E731
+    return jax.grad(loss, argnums=(0, 1, 2))(*a)
+
+
+def test_unknown_chip_lists_the_valid_ones():
+    with pytest.raises(ValueError, match=r"chip: expected one of \['v4', 'v5e', 'v5p', 'v6e', "
+                                         r"'7x'\], got 'v9'"):
+        tpu_compile.compile(jnp.sin, Q, chip="v9")
+    with pytest.raises(ValueError, match="chip: expected one of"):
+        tpu_compile.pallas_calls(jnp.sin, Q, chip="tpu-v5")
+
+
+def test_missing_libtpu_names_the_install_command(monkeypatch):
+    monkeypatch.setattr(tpu_compile, "available", lambda: False)
+    with pytest.raises(tpu_compile.LibtpuMissingError, match=r'pip install "jax\[tpu\]"'):
+        tpu_compile.compile(jnp.sin, Q, chip="v5e")
+
+
+@pytest.mark.parametrize("chip", ["v4", "v5p"])
+def test_kernels_take_blocks_and_vmem_limit_from_the_compile_target(chip):
+    """Traced for v4 (16 MiB VMEM) vs v5p (64 MiB): each chip's blocks and limit, fwd and bwd."""
+    kernels = tpu_compile.pallas_calls(_grad, Q, Q, Q, chip=chip)
+    assert [k["name"] for k in kernels] == ["flashlab_flash_forward",
+                                            "flashlab_flash_backward_dkdv",
+                                            "flashlab_flash_backward_dq"]
+    fwd_q, fwd_k = blk.choose_block_sizes(4096, 4096, 256, jnp.float32, chip, return_lse=True)
+    bwd_q, bwd_k = blk.choose_backward_block_sizes(4096, 4096, 256, jnp.float32, chip)
+    assert kernels[0]["grid"] == (1, 2, 4096 // fwd_q, 4096 // fwd_k)
+    assert kernels[2]["grid"] == (1, 2, 4096 // bwd_q, 4096 // bwd_k)
+    assert {k["vmem_limit_bytes"] for k in kernels} == {blk.vmem_limit_bytes(chip)}
+    assert blk.vmem_limit_bytes(chip) == min(blk.VMEM_BYTES[chip] * 3 // 4,
+                                             2 * blk.vmem_budget_bytes(chip))
+
+
+def test_the_chips_differ_where_vmem_differs():
+    v4, v5p = (tpu_compile.pallas_calls(_grad, Q, Q, Q, chip=c) for c in ("v4", "v5p"))
+    assert v4[0]["vmem_limit_bytes"] == 12 << 20 and v5p[0]["vmem_limit_bytes"] == 48 << 20
+    assert v4[1]["grid"] != v5p[1]["grid"]          # the backward's B_c: 256 on v4, 512 on v5p
+
+
+def test_explicit_chip_wins_over_the_compile_target():
+    kernels = tpu_compile.pallas_calls(lambda *a: _grad(*a, chip="v4"), Q, Q, Q, chip="v5p")
+    assert {k["vmem_limit_bytes"] for k in kernels} == {blk.vmem_limit_bytes("v4")}
+    with device.compile_target("v5p"):
+        assert blk.resolve_chip() == "v5p" and blk.resolve_chip("v4") == "v4"
+        assert device.platform() == "tpu"           # backends choose as on a TPU
+    assert blk.resolve_chip() == (blk.detect_chip() or blk.DEFAULT_CHIP)
+
+
+def test_import_flashlab_does_not_load_libtpu():
+    code = "import sys, flashlab; print(any('libtpu' in m for m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "JAX_PLATFORMS": ""})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False" and out.stderr.strip() == ""
+
+
+@needs_libtpu
+@pytest.mark.tpu_compile
+def test_compile_reports_memory_cost_versions_and_the_target():
+    seen = []
+
+    def fn(q, k, v):
+        seen.append(blk.resolve_chip())
+        return flashlab.flash_attention(q, k, v, is_causal=True, interpret=False)
+
+    x = jax.ShapeDtypeStruct((1, 1024, 2, 128), jnp.bfloat16)
+    report = tpu_compile.compile(fn, x, x, x, chip="v4")
+    assert report.ok and report.error is None and seen == ["v4"], report
+    assert report.memory["argument"] == 3 * 1024 * 2 * 128 * 2
+    assert report.memory["output"] == 1024 * 2 * 128 * 2 and report.memory["generated_code"] > 0
+    assert report.cost["flops"] > 0
+    assert report.jax_version == jax.__version__ and report.libtpu_version
+    assert "v4: compiled" in str(report)
+    assert [d.device_kind for d in tpu_compile.devices("v5e", 4)] == ["TPU v5 lite"] * 4
+
+
+def _copy_kernel(x):
+    def kernel(x_ref, o_ref):
+        o_ref[...] = x_ref[...] * 2
+    spec = pl.BlockSpec(x.shape, lambda i: (0, 0))
+    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(1,),
+                          in_specs=[spec], out_specs=spec)(x)
+
+
+@needs_libtpu
+@pytest.mark.tpu_compile
+def test_a_rejected_kernel_gives_the_compilers_vmem_report_never_a_silent_success():
+    # One 64 MiB block in, one out (fp32 4096 x 4096): over every chip's default scoped limit.
+    report = tpu_compile.compile(_copy_kernel, jax.ShapeDtypeStruct((4096, 4096), jnp.float32),
+                                 chip="v5e")
+    assert not report.ok and report.stage == "compile" and report.compiled is None
+    assert "vmem" in report.error.lower() and "Traceback" not in report.error
+    assert "FAILED at compile" in str(report)
+    with pytest.raises(tpu_compile.CompileError, match="(?i)vmem"):
+        report.raise_if_failed()
+
+
+@needs_libtpu
+@pytest.mark.tpu_compile
+def test_a_mistake_in_the_call_raises_as_under_jit():
+    x = jax.ShapeDtypeStruct((1, 128, 2, 128), jnp.float32)
+    y = jax.ShapeDtypeStruct((1, 128, 2, 64), jnp.float32)
+    with pytest.raises(ValueError, match="key"):
+        tpu_compile.compile(flashlab.flash_attention, x, y, y, chip="v5e", interpret=False)
+    with pytest.raises(ValueError, match="n: expected an int in 1..4"):
+        tpu_compile.devices("v5e", 5)
