@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["schedule", "send_overlap", "COMPUTE_OPS"]
+__all__ = ["schedule", "send_overlap", "format_rows", "tpu_ring_schedule", "COMPUTE_OPS"]
 
 #: Instructions that do real work (the rest is bookkeeping: tuples, slices, bitcasts, copies).
 COMPUTE_OPS = ("fusion", "conditional", "custom-call", "dot", "convolution", "while", "call")
@@ -68,3 +68,57 @@ def send_overlap(hlo_text: str) -> list[dict]:
                          "needed_at": needed, "compute_between": between,
                          "needed_by": instrs[needed]["op"] if needed < len(instrs) else None})
     return rows
+
+
+def tpu_ring_schedule(chip: str = "v5e", devices: int = 4, *, seq: int = 4096, heads: int = 4,
+                      head_dim: int = 128, grad: bool = False) -> list[dict]:
+    """:func:`send_overlap` of ring attention (our Pallas kernel on every step) compiled by the
+    real TPU compiler for a ``devices``-chip slice of ``chip`` (``flashlab.tpu_compile``: needs
+    libtpu, no TPU). ``grad``: the forward+backward program instead of the forward alone."""
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    from . import tpu_compile  # noqa: PLC0415
+    from .distributed import ring_attention  # noqa: PLC0415
+    mesh = tpu_compile.mesh(chip, (devices,), ("sp",))
+    x = jax.ShapeDtypeStruct((1, seq, heads, head_dim), jnp.bfloat16)
+
+    def ring(q, k, v):
+        return ring_attention(q, k, v, mesh=mesh, axis_name="sp", backend="pallas_tpu",
+                              interpret=False, is_causal=True)
+
+    fn = ring if not grad else jax.grad(
+        lambda q, k, v: jnp.sum(ring(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2))
+    report = tpu_compile.compile(fn, x, x, x, chip=chip, num_devices=devices)
+    report.raise_if_failed()
+    return send_overlap(report.compiled.as_text())
+
+
+def format_rows(rows) -> str:
+    """One line per send: kind, where issued and needed, and the compute in between."""
+    out = []
+    for r in rows:
+        conds = sum(n.startswith("conditional") for n in r["compute_between"])
+        out.append(f"{r['send']:28s} {r['kind']:5s} issued at #{r['issued_at']}, needed at "
+                   f"#{r['needed_at']} (by {r['needed_by']}): {len(r['compute_between'])} compute "
+                   f"ops in between, {conds} of them block computes (lax.cond)")
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    """``python -m flashlab.ring_overlap [--chip v5e] [--devices 4]``: the TPU schedules."""
+    import argparse  # noqa: PLC0415
+    p = argparse.ArgumentParser(prog="python -m flashlab.ring_overlap")
+    p.add_argument("--chip", default="v5e")
+    p.add_argument("--devices", type=int, default=4)
+    p.add_argument("--seq", type=int, default=4096)
+    a = p.parse_args(argv)
+    for grad in (False, True):
+        print(f"ring attention, {'forward+backward' if grad else 'forward'}, pallas_tpu, causal, "
+              f"N={a.seq}, {a.devices}-chip {a.chip} (real TPU compiler, compile only):")
+        print(format_rows(tpu_ring_schedule(a.chip, a.devices, seq=a.seq, grad=grad)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
