@@ -81,7 +81,8 @@ def run_child(a) -> dict:
         hop = jax.jit(shard_map(lambda x: jax.lax.ppermute(
             x, "sp", [(j, (j + 1) % P) for j in range(P)]), mesh=mesh,
             in_specs=jax.sharding.PartitionSpec("sp"), out_specs=jax.sharding.PartitionSpec("sp")))
-        kv = jnp.zeros((P, 2, c, K, d), jnp.float32)             # one K and one V block each
+        kv = jax.device_put(jnp.zeros((P, 2, c, K, d), jnp.float32),   # one K, one V block each
+                            jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("sp")))
         t_hop = time_fn(hop, kv, repeats=a.repeats)
     step_bytes = comm_model.ring_step_bytes(batch=1, tokens_per_device=c, kv_heads=K,
                                             head_dim=d, bytes_per_element=4)
