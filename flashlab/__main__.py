@@ -1,9 +1,9 @@
-"""``python -m flashlab <command>``: command-line entry points (today: ``bench``)."""
+"""``python -m flashlab <command>``: command-line entry points (``bench``, ``ring``)."""
 from __future__ import annotations
 
 import sys
 
-COMMANDS = {"bench": "flashlab.bench"}
+COMMANDS = {"bench": "flashlab.bench", "ring": "flashlab.ring_cli"}
 
 
 def main(argv=None) -> int:
@@ -11,7 +11,9 @@ def main(argv=None) -> int:
     if not argv or argv[0] not in COMMANDS:
         print("usage: python -m flashlab {" + ",".join(COMMANDS) + "} [options]\n"
               "  bench    benchmark the attention backends on this device "
-              "(python -m flashlab bench --help)", file=sys.stderr)
+              "(python -m flashlab bench --help)\n"
+              "  ring     ring attention across processes on 127.0.0.1 "
+              "(python -m flashlab ring --help)", file=sys.stderr)
         return 0 if argv[:1] in (["-h"], ["--help"]) else 2
     import importlib
     return importlib.import_module(COMMANDS[argv[0]]).main(argv[1:]) or 0

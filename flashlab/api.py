@@ -24,7 +24,7 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
               query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
               segment_ids=None, logits_soft_cap=None, backend: str = "auto", interpret=None,
               explain: bool = False, sinks=None, implementation: str | None = None,
-              return_residual: bool = False):
+              return_residual: bool = False, q_offset=None, kv_offset=None):
     """Scaled dot-product attention through the backend that suits the request.
 
     Args:
@@ -58,6 +58,9 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
       return_residual: as jax.nn: also return the logsumexp ``[batch, q_seq, heads]`` (query
         dtype, no gradient; ``-inf`` on rows with no visible key). Served by the ``tiled``
         backend (``auto`` picks it); other named backends raise ``NotImplementedError``.
+      q_offset, kv_offset: global positions of the first query / key (int or traced int32
+        scalar): causal, window and lengths are evaluated at global positions and lengths are
+        global (one block of a longer sequence, as ring attention computes it).
 
     Returns:
       ``[batch, q_seq, heads, value_head_dim]`` in the query's dtype (and the residual when
@@ -77,7 +80,8 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
         query, key, value, bias, mask, scale=scale, is_causal=is_causal,
         query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
         local_window_size=local_window_size, segment_ids=segment_ids,
-        logits_soft_cap=logits_soft_cap, sinks=sinks, allow_empty=True)
+        logits_soft_cap=logits_soft_cap, sinks=sinks, allow_empty=True,
+        q_offset=q_offset, kv_offset=kv_offset)
     choice = registry.choose(spec, backend, interpret=interpret,
                              autodiff_features=autodiff.requested(q, k, v, spec.bias))
     lse = None

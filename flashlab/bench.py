@@ -39,7 +39,7 @@ TPU_PEAK_BF16_FLOPS = {
 }
 
 SUBCOMMANDS = {"tiled": "flashlab.bench_tiled", "tpu-static": "flashlab.bench_tpu_static",
-               "generate": "flashlab.bench_generate"}
+               "generate": "flashlab.bench_generate", "ring": "flashlab.bench_ring"}
 
 QUICK_SEQ_LENS = (128, 256, 512)
 

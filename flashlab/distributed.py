@@ -9,6 +9,8 @@ Two ways to split one attention call over a mesh of devices:
   blocks travel around a ring (``jax.lax.ppermute``), and each device folds every block it
   receives into its running online-softmax state with :func:`flashlab.online_softmax.merge`
   -- the same merge that combines tiles inside a kernel (chapter 02), now combining devices.
+  Each block is computed by a backend (``tiled`` or our Pallas kernel), told where the block
+  sits in the sequence by the spec's ``q_offset``/``kv_offset``.
 
 Both take the public layout ``[batch, seq, heads, head_dim]`` (global arrays; jit places them)
 and the argument names of ``jax.nn.dot_product_attention`` plus flashlab's extras.
@@ -26,12 +28,12 @@ from jax.sharding import PartitionSpec as PS
 
 from . import online_softmax as osm
 from . import ring_layout
-from .masks import AttentionSpec, block_maybe_visible, structural_visible, validate
+from .masks import AttentionSpec, block_maybe_visible, validate
 from .reference import attention_from_spec as _reference_from_spec
 from .shard_map_compat import shard_map
 
 __all__ = ["sharded_attention", "ring_attention", "ring_block_counts", "local_attention",
-           "spec_to_kwargs", "block_state"]
+           "spec_to_kwargs", "block_functions", "RING_BACKENDS"]
 
 
 # ----------------------------------------------------------------------------- backends
@@ -217,48 +219,47 @@ def sharded_attention(query, key, value, bias=None, mask=None, *, mesh, batch_ax
 
 # ----------------------------------------------------------------------------- ring: one block
 
-def _precision(dtype):
-    return None if jnp.dtype(dtype).itemsize < 4 else jax.lax.Precision.HIGHEST
+#: Backends a ring step can run: each gives a forward returning ``(out, lse)`` and a backward
+#: from a given (global) ``(out, lse)``, and both honour the spec's offsets.
+RING_BACKENDS = ("tiled", "pallas_tpu")
 
 
-def _scores(q, k, scale, soft_cap):
-    """``q [B, cq, K, G, d]``, ``k [B, ck, K, d]`` -> float32 scores ``[B, K, G, cq, ck]``
-    (scaled and soft-capped) and ``tanh`` of the cap (for the backward; ``None`` if no cap)."""
-    s = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32,
-                   precision=_precision(q.dtype)) * scale
-    if soft_cap is None:
-        return s, None
-    t = jnp.tanh(s / soft_cap)
-    return soft_cap * t, t
+def _ring_backend(backend: str) -> str:
+    """``"auto"`` -> ``pallas_tpu`` on a TPU, ``tiled`` elsewhere; check a named one."""
+    if not isinstance(backend, str):
+        raise TypeError(f"backend: expected a backend name (str), got {backend!r}")
+    if backend == "auto":
+        from . import device  # noqa: PLC0415
+        return "pallas_tpu" if device.platform() == "tpu" else "tiled"
+    if backend not in RING_BACKENDS:
+        raise NotImplementedError(
+            f"backend: ring_attention runs each step's block with a backend that returns "
+            f"(out, lse), runs its backward from a given (out, lse) and honours q/kv offsets; "
+            f"expected 'auto' or one of {RING_BACKENDS}, got {backend!r}")
+    return backend
 
 
-def _visible(q_pos, k_pos, aux_q, aux_k, cfg):
-    """Structural visibility ``[B|1, 1, 1, cq, ck]`` for global positions ``q_pos [cq]``,
-    ``k_pos [ck]`` (the one definition in ``masks.structural_visible``)."""
-    q_len = aux_q.get("q_len")
-    kv_len = aux_q.get("kv_len")
-    q_seg = aux_q.get("q_seg")
-    kv_seg = aux_k.get("kv_seg")
-    return structural_visible(
-        q_pos[:, None], k_pos[None, :], is_causal=cfg.is_causal, window=cfg.window,
-        q_len=None if q_len is None else q_len[:, None, None, None, None],
-        kv_len=None if kv_len is None else kv_len[:, None, None, None, None],
-        q_seg=None if q_seg is None else q_seg[:, None, None, :, None],
-        kv_seg=None if kv_seg is None else kv_seg[:, None, None, None, :])
+def block_functions(backend: str, interpret=None):
+    """``(forward, backward)`` of one ring step with ``backend`` (``"tiled"``/``"pallas_tpu"``).
 
-
-def block_state(q, k, v, q_pos, k_pos, aux_q, aux_k, cfg) -> osm.State:
-    """The online-softmax state of one (query block, key/value block) pair.
-
-    ``q [B, cq, K, G, d]`` local queries at global positions ``q_pos [cq]``; ``k [B, ck, K, d]``,
-    ``v [B, ck, K, d_v]`` at ``k_pos [ck]``; ``aux_q``/``aux_k`` hold lengths and segment ids.
-    Returns a State with ``m, l [B, K, G, cq]`` and ``acc [B, K, G, cq, d_v]`` (float32).
+    ``forward(q [B, cq, N, d], k, v [B, ck, K, d|d_v], spec) -> (out [B, cq, N, d_v],
+    lse [B, N, cq] float32)``; ``backward(q, k, v, spec, out, lse, d_out) -> (dq, dk, dv)``
+    float32, where ``out``/``lse`` may be the *global* ones (so the result is this block's
+    share of the gradients). ``spec`` carries the blocks' global offsets.
     """
-    s, _ = _scores(q, k, cfg.scale, cfg.soft_cap)
-    vis = _visible(q_pos, k_pos, aux_q, aux_k, cfg)
-    B, cq, K, G, _ = q.shape
-    v_t = jnp.swapaxes(v, 1, 2)[:, :, None]                    # [B, K, 1, ck, d_v]
-    return osm.update(osm.init((B, K, G, cq), v.shape[-1]), s, v_t, vis)
+    f32 = lambda *xs: tuple(x.astype(jnp.float32) for x in xs)  # noqa: E731
+    if backend == "tiled":
+        from .tiled import (tiled_attention_backward_from_spec,  # noqa: PLC0415
+                            tiled_attention_with_lse_from_spec)
+        return (tiled_attention_with_lse_from_spec,
+                lambda *a: f32(*tiled_attention_backward_from_spec(*a)[:3]))
+    if backend == "pallas_tpu":
+        from .kernels.backward import flash_attention_backward  # noqa: PLC0415
+        from .kernels.forward import flash_attention_forward  # noqa: PLC0415
+        return (lambda q, k, v, spec: flash_attention_forward(q, k, v, spec,
+                                                              interpret=interpret),
+                lambda *a: f32(*flash_attention_backward(*a, interpret=interpret)[:3]))
+    raise ValueError(f"backend: expected one of {RING_BACKENDS}, got {backend!r}")
 
 
 # ----------------------------------------------------------------------------- ring: forward
@@ -276,6 +277,8 @@ class _RingConfig:
     soft_cap: float | None
     is_causal: bool
     window: Any
+    backend: str = "tiled"       # what computes each (q chunk, kv chunk) block
+    interpret: Any = None        # pallas_tpu off-TPU: the interpreter
 
     def starts(self, which, device):
         table = jnp.asarray(np.asarray(self.q_starts if which == "q" else self.k_starts,
@@ -287,56 +290,65 @@ class _RingConfig:
         return block_maybe_visible(qs, qs + self.cq, ks, ks + self.ck,
                                    is_causal=self.is_causal, window=self.window)
 
+    def block_spec(self, q, k, v, aux, q_seg, kv_seg, q_start, k_start) -> AttentionSpec:
+        """The spec of one block: local shapes, global offsets and lengths, local segment ids."""
+        B, cq, N, d = q.shape
+        return AttentionSpec(
+            batch=B, q_len=cq, kv_len=k.shape[1], num_heads=N, num_kv_heads=k.shape[2],
+            head_dim=d, head_dim_v=v.shape[3], dtype=jnp.dtype(q.dtype), scale=self.scale,
+            is_causal=self.is_causal, window=self.window, soft_cap=self.soft_cap,
+            q_lengths=aux.get("q_len"), kv_lengths=aux.get("kv_len"), q_segment_ids=q_seg,
+            kv_segment_ids=kv_seg, q_offset=q_start, kv_offset=k_start)
+
 
 def _ring_perm(P):
     return [(j, (j + 1) % P) for j in range(P)]                # device j sends to j + 1
 
 
-def _chunk(x, nc):
-    """``[B, nc·c, ...]`` -> list of nc arrays ``[B, c, ...]``."""
-    c = x.shape[1] // nc
-    return [x[:, a * c:(a + 1) * c] for a in range(nc)]
+def _chunk(x, nc, axis=1):
+    """``[B, nc·c, ...]`` -> list of nc arrays ``[B, c, ...]`` (``None`` stays ``None``)."""
+    if x is None:
+        return [None] * nc
+    c = x.shape[axis] // nc
+    return [jax.lax.slice_in_dim(x, a * c, (a + 1) * c, axis=axis) for a in range(nc)]
 
 
-def _aux_chunk(aux, key, a, nc):
-    x = aux.get(key)
-    return None if x is None else _chunk(x, nc)[a]
+def _ring_loop(step, carry, P):
+    """Steps ``0 .. P-2`` in a ``fori_loop`` (each sends), then the last one without a send."""
+    carry = jax.lax.fori_loop(0, P - 1, lambda s, c: step(s, c, True), carry)
+    return step(P - 1, carry, False)
 
 
 def _ring_forward(q, k, v, aux, cfg: _RingConfig):
     """One device's forward ring. ``q [B, Cq, N, d]``, ``k, v [B, Ck, K, d]`` (layout order).
 
-    Returns ``out [B, Cq, N, d_v]`` float32, ``lse [B, K, G, Cq]`` and the number of
+    Returns ``out [B, Cq, N, d_v]`` float32, ``lse [B, N, Cq]`` and the number of
     (q chunk, kv chunk) blocks this device actually computed.
     """
     idx = jax.lax.axis_index(cfg.axis)
-    B, Cq, N, d = q.shape
-    K = k.shape[2]
-    G = N // K
-    q_chunks = _chunk(q.reshape(B, Cq, K, G, d), cfg.nc)      # nc x [B, cq, K, G, d]
+    block_fwd, _ = block_functions(cfg.backend, cfg.interpret)
+    B, N, dv = q.shape[0], q.shape[2], v.shape[-1]
+    q_chunks, q_segs = _chunk(q, cfg.nc), _chunk(aux.get("q_seg"), cfg.nc)
     q_starts = cfg.starts("q", idx)
-    aux_q = [{"q_len": aux.get("q_len"), "kv_len": aux.get("kv_len"),
-              "q_seg": _aux_chunk(aux, "q_seg", a, cfg.nc)} for a in range(cfg.nc)]
-    states = [osm.init((B, K, G, cfg.cq), v.shape[-1]) for _ in range(cfg.nc)]
-    work = jnp.zeros((), jnp.int32)
+    states = [osm.init((B, N, cfg.cq), dv) for _ in range(cfg.nc)]
     kv = {"k": k, "v": v, "kv_seg": aux.get("kv_seg")}
-    for step in range(cfg.P):
-        # Issue the send of the block we hold *before* computing on it: the transfer to the
-        # next device and this step's compute are independent, so XLA may overlap them.
-        kv_next = jax.lax.ppermute(kv, cfg.axis, _ring_perm(cfg.P)) if step < cfg.P - 1 else None
-        src = (idx - step) % cfg.P                             # whose K/V block we hold now
-        k_starts = cfg.starts("k", src)
-        k_chunks, v_chunks = _chunk(kv["k"], cfg.nc), _chunk(kv["v"], cfg.nc)
-        for b in range(cfg.nc):
-            aux_k = {"kv_seg": None if kv["kv_seg"] is None else _chunk(kv["kv_seg"], cfg.nc)[b]}
-            k_pos = k_starts[b] + jnp.arange(cfg.ck, dtype=jnp.int32)
-            for a in range(cfg.nc):
-                q_pos = q_starts[a] + jnp.arange(cfg.cq, dtype=jnp.int32)
 
-                def compute(st, work, a=a, b=b, aux_k=aux_k, q_pos=q_pos, k_pos=k_pos):
-                    blk = block_state(q_chunks[a], k_chunks[b], v_chunks[b], q_pos, k_pos,
-                                      aux_q[a], aux_k, cfg)
-                    return osm.merge(st, blk), work + 1        # the chapter-02 merge, again
+    def step(s, carry, send):
+        kv, states, work = carry
+        # Issue the send of the block we hold *before* computing on it: the transfer to the
+        # next device and this step's compute are independent, so they overlap.
+        kv_next = jax.lax.ppermute(kv, cfg.axis, _ring_perm(cfg.P)) if send else kv
+        k_starts = cfg.starts("k", (idx - s) % cfg.P)          # whose K/V block we hold now
+        k_chunks, v_chunks = _chunk(kv["k"], cfg.nc), _chunk(kv["v"], cfg.nc)
+        kv_segs = _chunk(kv["kv_seg"], cfg.nc)
+        states = list(states)
+        for b in range(cfg.nc):
+            for a in range(cfg.nc):
+                def compute(st, work, a=a, b=b):
+                    spec = cfg.block_spec(q_chunks[a], k_chunks[b], v_chunks[b], aux, q_segs[a],
+                                          kv_segs[b], q_starts[a], k_starts[b])
+                    out, lse = block_fwd(q_chunks[a], k_chunks[b], v_chunks[b], spec)
+                    return osm.merge(st, osm.from_output(out, lse)), work + 1  # chapter 02
 
                 maybe = cfg.maybe(q_starts[a], k_starts[b])
                 if maybe is True:
@@ -344,89 +356,70 @@ def _ring_forward(q, k, v, aux, cfg: _RingConfig):
                 else:                                          # skip blocks ruled out
                     states[a], work = jax.lax.cond(maybe, compute, lambda st, w: (st, w),
                                                    states[a], work)
-        kv = kv_next
+        return kv_next, states, work
+
+    _, states, work = _ring_loop(step, (kv, states, jnp.zeros((), jnp.int32)), cfg.P)
     outs, lses = zip(*(osm.finalize(st) for st in states))
-    out = jnp.concatenate(outs, axis=3)                        # [B, K, G, Cq, d_v]
-    lse = jnp.concatenate(lses, axis=3)                        # [B, K, G, Cq]
-    out = jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(B, Cq, N, -1)
-    return out, lse, work
+    out = jnp.concatenate(outs, axis=2)                        # [B, N, Cq, d_v]
+    lse = jnp.concatenate(lses, axis=2)                        # [B, N, Cq]
+    return jnp.swapaxes(out, 1, 2), lse, work
 
 
 # ----------------------------------------------------------------------------- ring: backward
 
 def _ring_backward(q, k, v, aux, out, lse, dout, cfg: _RingConfig):
-    """One device's backward ring (FlashAttention-2 style, P recomputed from ``lse``).
+    """One device's backward ring (FlashAttention-2 style, P recomputed from the global lse).
 
-    dQ stays home; dK/dV accumulators travel around the ring *with* their K/V block and,
-    after ``P`` hops, arrive back at the device that owns the block.
+    Each step runs the backend's backward on (local queries, held block) with the *global*
+    ``out`` and ``lse``, which yields exactly this block's share of dQ, dK, dV. dQ stays
+    home; the dK/dV accumulators travel around the ring with their K/V block and, after ``P``
+    hops, arrive back at the device that owns the block. Like the K/V, they are sent as soon
+    as they are complete: this step's contribution is computed into fresh zeros, so the
+    accumulator arriving from the previous device is needed only for the final add.
     """
     idx = jax.lax.axis_index(cfg.axis)
-    B, Cq, N, d = q.shape
-    K = k.shape[2]
-    G = N // K
+    _, block_bwd = block_functions(cfg.backend, cfg.interpret)
     f32 = jnp.float32
-    qg = q.reshape(B, Cq, K, G, d)
-    dog = dout.reshape(B, Cq, K, G, -1)
-    # D_i = rowsum(dO ∘ O)  [B, K, G, Cq]
-    D = jnp.einsum("bqkgd,bqkgd->bkgq", dog.astype(f32), out.reshape(dog.shape).astype(f32))
-    lse_ok = lse != -jnp.inf          # rows with no visible key; a NaN lse stays NaN
-    lse_safe = jnp.where(lse_ok, lse, 0.0)
-    q_chunks, do_chunks = _chunk(qg, cfg.nc), _chunk(dog, cfg.nc)
-    D_chunks = [D[..., a * cfg.cq:(a + 1) * cfg.cq] for a in range(cfg.nc)]
-    L_chunks = [lse_safe[..., a * cfg.cq:(a + 1) * cfg.cq] for a in range(cfg.nc)]
-    ok_chunks = [lse_ok[..., a * cfg.cq:(a + 1) * cfg.cq] for a in range(cfg.nc)]
+    q_chunks, q_segs = _chunk(q, cfg.nc), _chunk(aux.get("q_seg"), cfg.nc)
+    o_chunks, do_chunks = _chunk(out, cfg.nc), _chunk(dout, cfg.nc)
+    l_chunks = _chunk(lse, cfg.nc, axis=2)
     q_starts = cfg.starts("q", idx)
-    aux_q = [{"q_len": aux.get("q_len"), "kv_len": aux.get("kv_len"),
-              "q_seg": _aux_chunk(aux, "q_seg", a, cfg.nc)} for a in range(cfg.nc)]
-    dq = [jnp.zeros(c.shape, f32) for c in q_chunks]
+    perm = _ring_perm(cfg.P)
     kv = {"k": k, "v": v, "kv_seg": aux.get("kv_seg")}
     grads = {"dk": jnp.zeros(k.shape, f32), "dv": jnp.zeros(v.shape, f32)}
-    prec = _precision(q.dtype)
-    perm = _ring_perm(cfg.P)
-    for step in range(cfg.P):
-        kv_next = jax.lax.ppermute(kv, cfg.axis, perm) if step < cfg.P - 1 else None
-        src = (idx - step) % cfg.P
-        k_starts = cfg.starts("k", src)
+    dq = [jnp.zeros(c.shape, f32) for c in q_chunks]
+
+    def step(s, carry, send):
+        kv, grads_in, dq = carry
+        kv_next = jax.lax.ppermute(kv, cfg.axis, perm) if send else kv
+        k_starts = cfg.starts("k", (idx - s) % cfg.P)
         k_chunks, v_chunks = _chunk(kv["k"], cfg.nc), _chunk(kv["v"], cfg.nc)
-        dk_chunks, dv_chunks = _chunk(grads["dk"], cfg.nc), _chunk(grads["dv"], cfg.nc)
+        kv_segs = _chunk(kv["kv_seg"], cfg.nc)
+        dk = [jnp.zeros(c.shape, f32) for c in k_chunks]
+        dv = [jnp.zeros(c.shape, f32) for c in v_chunks]
+        dq = list(dq)
         for b in range(cfg.nc):
-            aux_k = {"kv_seg": None if kv["kv_seg"] is None else _chunk(kv["kv_seg"], cfg.nc)[b]}
-            k_pos = k_starts[b] + jnp.arange(cfg.ck, dtype=jnp.int32)
             for a in range(cfg.nc):
-                q_pos = q_starts[a] + jnp.arange(cfg.cq, dtype=jnp.int32)
+                def compute(acc, a=a, b=b):
+                    spec = cfg.block_spec(q_chunks[a], k_chunks[b], v_chunks[b], aux, q_segs[a],
+                                          kv_segs[b], q_starts[a], k_starts[b])
+                    g = block_bwd(q_chunks[a], k_chunks[b], v_chunks[b], spec, o_chunks[a],
+                                  l_chunks[a], do_chunks[a])
+                    return tuple(x + y for x, y in zip(acc, g))
 
-                def compute(acc, a=a, b=b, aux_k=aux_k, q_pos=q_pos, k_pos=k_pos):
-                    dq_a, dk_b, dv_b = acc
-                    qa, kb, vb, doa = q_chunks[a], k_chunks[b], v_chunks[b], do_chunks[a]
-                    s, t = _scores(qa, kb, cfg.scale, cfg.soft_cap)       # [B, K, G, cq, ck]
-                    vis = _visible(q_pos, k_pos, aux_q[a], aux_k, cfg) & ok_chunks[a][..., None]
-                    p = jnp.where(vis, jnp.exp(s - L_chunks[a][..., None]), 0.0)
-                    dv_b = dv_b + jnp.einsum("bkgqs,bqkgd->bskd", p.astype(vb.dtype), doa,
-                                             preferred_element_type=f32, precision=prec)
-                    dp = jnp.einsum("bqkgd,bskd->bkgqs", doa, vb, preferred_element_type=f32,
-                                    precision=prec)
-                    ds = p * (dp - D_chunks[a][..., None])                 # dS = P∘(dP − D)
-                    if t is not None:
-                        ds = ds * (1.0 - t * t)                            # d(c·tanh(s/c))
-                    ds = (ds * cfg.scale).astype(qa.dtype)
-                    dq_a = dq_a + jnp.einsum("bkgqs,bskd->bqkgd", ds, kb,
-                                             preferred_element_type=f32, precision=prec)
-                    dk_b = dk_b + jnp.einsum("bkgqs,bqkgd->bskd", ds, qa,
-                                             preferred_element_type=f32, precision=prec)
-                    return dq_a, dk_b, dv_b
-
-                acc = (dq[a], dk_chunks[b], dv_chunks[b])
+                acc = (dq[a], dk[b], dv[b])
                 maybe = cfg.maybe(q_starts[a], k_starts[b])
                 acc = compute(acc) if maybe is True else jax.lax.cond(maybe, compute,
                                                                        lambda x: x, acc)
-                dq[a], dk_chunks[b], dv_chunks[b] = acc
-        grads = {"dk": jnp.concatenate(dk_chunks, axis=1),
-                 "dv": jnp.concatenate(dv_chunks, axis=1)}
+                dq[a], dk[b], dv[b] = acc
+        mine = {"dk": jnp.concatenate(dk, axis=1), "dv": jnp.concatenate(dv, axis=1)}
         # The accumulators follow their block: after the last step one more hop brings
         # them home (the K/V themselves need not travel again).
-        grads = jax.lax.ppermute(grads, cfg.axis, perm)
-        kv = kv_next
-    dq = jnp.concatenate(dq, axis=1).reshape(q.shape)
+        grads = jax.lax.ppermute(jax.tree_util.tree_map(jnp.add, grads_in, mine), cfg.axis, perm)
+        return kv_next, grads, dq
+
+    _, grads, dq = _ring_loop(step, (kv, grads, dq), cfg.P)
+    dq = jnp.concatenate(dq, axis=1)
     return dq.astype(q.dtype), grads["dk"].astype(k.dtype), grads["dv"].astype(v.dtype)
 
 
@@ -454,11 +447,8 @@ def _ring_core(cfg: _RingConfig):
 
 # ----------------------------------------------------------------------------- ring: entry
 
-_RING_BACKENDS = ("auto", "blockwise")
-
-
 def _ring_config(query, key, value, bias, mask, *, mesh, axis_name, layout, batch_axis,
-                 head_axis, backend, **mask_kw):
+                 head_axis, backend, interpret=None, **mask_kw):
     """Validate once (``masks.validate``) and check the mesh; return ``(q, k, v, spec, cfg)``."""
     query, key, value, spec = validate(query, key, value, bias, mask, **mask_kw)
     if spec.bias is not None or spec.mask is not None:
@@ -467,10 +457,7 @@ def _ring_config(query, key, value, bias, mask, *, mesh, axis_name, layout, batc
                          f"{which} (it would be O(N²) on every device); express the pattern with "
                          f"is_causal, local_window_size, segment_ids or sequence lengths, or "
                          f"use sharded_attention")
-    if backend not in _RING_BACKENDS:
-        raise ValueError(f"backend: ring_attention computes each ring step with its own blockwise "
-                         f"function (it needs global positions per block); expected one of "
-                         f"{_RING_BACKENDS}, got {backend!r}")
+    backend = _ring_backend(backend)
     _check_mesh(mesh)
     if not isinstance(axis_name, str):
         raise TypeError(f"axis_name: expected one mesh axis name (str), got {axis_name!r}")
@@ -498,8 +485,16 @@ def _ring_config(query, key, value, bias, mask, *, mesh, axis_name, layout, batc
         axis=axis_name, P=P, nc=nc, cq=T // (P * nc), ck=S // (P * nc),
         q_starts=tuple(map(tuple, ring_layout.chunk_starts(T, P, layout).tolist())),
         k_starts=tuple(map(tuple, ring_layout.chunk_starts(S, P, layout).tolist())),
-        scale=spec.scale, soft_cap=spec.soft_cap, is_causal=spec.is_causal, window=spec.window)
+        scale=spec.scale, soft_cap=spec.soft_cap, is_causal=spec.is_causal, window=spec.window,
+        backend=backend, interpret=_interpret(backend, interpret))
     return query, key, value, spec, cfg
+
+
+def _interpret(backend, interpret):
+    if backend != "pallas_tpu":
+        return None
+    from . import device  # noqa: PLC0415
+    return device.interpret_mode(interpret)
 
 
 def _aux_of(spec):
@@ -547,7 +542,7 @@ def ring_attention(query, key, value, bias=None, mask=None, *, mesh, axis_name: 
                    layout: str = "zigzag", batch_axis=None, head_axis=None,
                    backend: str = "auto", scale=None, is_causal=False, query_seq_lengths=None,
                    key_value_seq_lengths=None, local_window_size=None, segment_ids=None,
-                   logits_soft_cap=None):
+                   logits_soft_cap=None, interpret=None):
     """Sequence-parallel (ring) attention over the mesh axis ``axis_name``.
 
     Args:
@@ -560,18 +555,22 @@ def ring_attention(query, key, value, bias=None, mask=None, *, mesh, axis_name: 
         causal work is balanced) or ``"contiguous"``. The permutation into the layout (and
         back) is applied here; a training pipeline would feed tokens already in layout order.
       batch_axis, head_axis: optional further mesh axes splitting batch / kv heads.
-      backend: ``"auto"``/``"blockwise"`` -- each step's block is computed by
-        :func:`flashlab.distributed.block_state` (it needs the blocks' global positions for
-        the masks).
+      backend: what computes each step's block: ``"tiled"``, ``"pallas_tpu"`` (our kernel;
+        the Pallas interpreter off-TPU), or ``"auto"`` (``pallas_tpu`` on a TPU, else
+        ``tiled``). The block's global positions reach the backend as the spec's
+        ``q_offset``/``kv_offset``; other backends raise ``NotImplementedError``.
+      interpret: for ``pallas_tpu``, as in :func:`flashlab.attention`.
       is_causal, local_window_size, query_seq_lengths, key_value_seq_lengths: as
         :func:`flashlab.reference.naive_attention`.
       segment_ids, scale, logits_soft_cap: as :func:`flashlab.reference.naive_attention`.
         Dense ``bias``/``mask`` are rejected (O(N²) per device).
 
-    Each of the ``P`` steps: send the held K/V block to the next device (``ppermute``), compute
-    the state of (local queries, held block) unless ``block_maybe_visible`` rules it out, and
-    ``online_softmax.merge`` it into the running state. Differentiable: a custom VJP runs a
-    second ring that recomputes P from ``(O, lse)`` and carries dK/dV around with K/V.
+    Each of the ``P`` steps: send the held K/V block to the next device (``ppermute``, issued
+    before the compute so the two overlap), run the backend on (local queries, held block)
+    unless ``block_maybe_visible`` rules it out, and ``online_softmax.merge`` its
+    ``(out, lse)`` into the running state. Differentiable: a custom VJP runs a second ring
+    that runs the backend's backward from the global ``(O, lse)`` and carries dK/dV around
+    with K/V.
     Returns ``[B, T, N, d_v]`` in the query's dtype, natural order.
     """
     query, key, value, spec, cfg = _ring_config(
@@ -579,19 +578,23 @@ def ring_attention(query, key, value, bias=None, mask=None, *, mesh, axis_name: 
         batch_axis=batch_axis, head_axis=head_axis, backend=backend, scale=scale,
         is_causal=is_causal, query_seq_lengths=query_seq_lengths,
         key_value_seq_lengths=key_value_seq_lengths, local_window_size=local_window_size,
-        segment_ids=segment_ids, logits_soft_cap=logits_soft_cap)
+        segment_ids=segment_ids, logits_soft_cap=logits_soft_cap, interpret=interpret)
     aux = _aux_of(spec)
     run = _ring_program(cfg, mesh, layout, batch_axis, head_axis, tuple(sorted(aux)))
     return run(query, key, value, aux)
 
 
 def ring_block_counts(query, key, value, *, mesh, axis_name: str, layout: str = "zigzag",
-                      **mask_kw) -> np.ndarray:
+                      backend: str = "auto", **mask_kw) -> np.ndarray:
     """``[P]`` int: (q chunk, kv chunk) blocks each device of the ring *actually computed*
     in a forward pass (the ``lax.cond`` skips counted out). For checking load balance."""
     query, key, value, spec, cfg = _ring_config(
         query, key, value, None, None, mesh=mesh, axis_name=axis_name, layout=layout,
-        batch_axis=None, head_axis=None, backend="auto", **mask_kw)
+        batch_axis=None, head_axis=None, backend=backend, **mask_kw)
     aux = _aux_of(spec)
     run = _ring_program(cfg, mesh, layout, None, None, tuple(sorted(aux)), count_blocks=True)
-    return np.asarray(run(query, key, value, aux))
+    counts = run(query, key, value, aux)
+    if not counts.is_fully_addressable:              # several processes: gather to each host
+        from jax.experimental import multihost_utils  # noqa: PLC0415
+        counts = multihost_utils.process_allgather(counts, tiled=True)
+    return np.asarray(counts)

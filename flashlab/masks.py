@@ -39,6 +39,10 @@ Broadcasting and value rules (:func:`validate`; the same for every backend):
   is data (no recompile per value, a learnable temperature gets its gradient through the
   multiply). Exception: a Python-number scale with float16/bfloat16 inputs stays static,
   as the rounding of ``scale·q`` in 16 bits would cost precision.
+* offsets (``q_offset``, ``kv_offset``): the query and key blocks sit at global positions
+  ``q_offset + i`` and ``kv_offset + j`` of a longer sequence (a block of ring attention);
+  causal, window and lengths are evaluated at those global positions (lengths are then
+  *global* valid lengths), segment ids are those of the local tokens. ``None`` means 0.
 """
 from __future__ import annotations
 
@@ -71,6 +75,8 @@ class AttentionSpec:
       q_segment_ids   int32  [B, Tq]
       kv_segment_ids  int32  [B, Tk]
       sinks           float32 [Hq]    per-head sink logit (joins the denominator, no value)
+      q_offset        int32  []       global position of query 0 (static int or traced)
+      kv_offset       int32  []       global position of key 0
 
     Static fields: shapes, dtype, ``scale``, ``is_causal``, ``window`` (left, right) and
     ``soft_cap``. ``window`` sides may be ``None`` meaning unbounded on that side.
@@ -95,6 +101,8 @@ class AttentionSpec:
     q_segment_ids: jax.Array | None = None
     kv_segment_ids: jax.Array | None = None
     sinks: jax.Array | None = None
+    q_offset: jax.Array | None = None
+    kv_offset: jax.Array | None = None
 
     @property
     def group_size(self) -> int:
@@ -130,7 +138,33 @@ class AttentionSpec:
             f.add("cross_attention")
         if self.sinks is not None:
             f.add("sinks")
+        if self.has_offsets:
+            f.add("offsets")
         return f
+
+    @property
+    def has_offsets(self) -> bool:
+        """True when the blocks sit at global positions (``q_offset``/``kv_offset`` given)."""
+        return self.q_offset is not None or self.kv_offset is not None
+
+    def offsets(self):
+        """``(q_offset, kv_offset)`` as int32 scalars (0 where not given); may be traced."""
+        zero = jnp.zeros((), jnp.int32)
+        return (zero if self.q_offset is None else jnp.asarray(self.q_offset, jnp.int32),
+                zero if self.kv_offset is None else jnp.asarray(self.kv_offset, jnp.int32))
+
+    def local_lengths(self):
+        """Valid query/key lengths *of this block* ``([B], [B])`` int32, or ``None`` each.
+
+        With offsets the spec's lengths are global; here they become counts of valid local
+        tokens, ``clip(length - offset, 0, local length)``, which is what a backend that
+        works in local coordinates needs (kernels, tiled). Without offsets: the lengths.
+        """
+        if not self.has_offsets:
+            return self.q_lengths, self.kv_lengths
+        qo, ko = self.offsets()
+        loc = lambda n, o, L: None if n is None else jnp.clip(n - o, 0, L).astype(jnp.int32)  # noqa: E731
+        return loc(self.q_lengths, qo, self.q_len), loc(self.kv_lengths, ko, self.kv_len)
 
     def dense_visible(self):
         """Everything that restricts visibility, as one dense bool array ``[B|1, H|1, Tq, Tk]``.
@@ -149,7 +183,8 @@ class AttentionSpec:
     def visible(self, q_pos, k_pos, batch_index=None):
         """Structural visibility (everything except the dense ``mask``) at given positions.
 
-        ``q_pos``: int array broadcastable to ``[..., Tq', 1]``; ``k_pos`` to ``[..., 1, Tk']``.
+        ``q_pos``: int array broadcastable to ``[..., Tq', 1]``; ``k_pos`` to ``[..., 1, Tk']``:
+        *local* positions (indices into this block), shifted by the offsets here.
         ``batch_index`` selects rows of the length/segment arrays (``None`` = all batch rows,
         which then lead the result: ``[B, 1, Tq', Tk']``).
         """
@@ -172,6 +207,9 @@ class AttentionSpec:
         elif q_seg is not None:
             q_seg = jnp.take(q_seg, q_pos[..., :, 0], axis=-1)[..., :, None]
             kv_seg = jnp.take(kv_seg, k_pos[..., 0, :], axis=-1)[..., None, :]
+        if self.has_offsets:   # local positions -> global (segment ids were read locally)
+            q_off, kv_off = self.offsets()
+            q_pos, k_pos = q_pos + q_off, k_pos + kv_off
         return structural_visible(q_pos, k_pos, is_causal=self.is_causal, window=self.window,
                                   q_len=q_len, kv_len=kv_len, q_seg=q_seg, kv_seg=kv_seg)
 
@@ -316,6 +354,23 @@ def _check_4d(name, x, B, N, T, S, kind, float_dtype=jnp.float32):
     return x
 
 
+def _check_offset(name, x):
+    """``q_offset``/``kv_offset`` as an int32 scalar array (or ``None``)."""
+    if x is None:
+        return None
+    if isinstance(x, bool) or not (isinstance(x, (int, np.integer)) or hasattr(x, "dtype")):
+        raise TypeError(f"{name}: expected an int >= 0 or an int32 scalar array, got {x!r}")
+    if hasattr(x, "dtype"):
+        if _shape(x) != ():
+            raise ValueError(f"{name}: expected a scalar (shape ()), got shape {_shape(x)}")
+        if not jnp.issubdtype(x.dtype, jnp.integer):
+            raise TypeError(f"{name}: expected an integer dtype, got {x.dtype}")
+    static = None if isinstance(x, jax.core.Tracer) else int(np.asarray(x))
+    if static is not None and static < 0:
+        raise ValueError(f"{name}: expected a global position >= 0, got {static}")
+    return jnp.asarray(x, jnp.int32)
+
+
 def _check_lengths(name, x, B, limit):
     if x is None:
         return None
@@ -327,7 +382,7 @@ def _check_lengths(name, x, B, limit):
         raise TypeError(f"{name}: expected an integer dtype, got {x.dtype}")
     if not isinstance(x, jax.core.Tracer):
         xs = np.asarray(x)
-        if (xs < 0).any() or (xs > limit).any():
+        if (xs < 0).any() or (limit is not None and (xs > limit).any()):
             raise ValueError(f"{name}: expected values in [0, {limit}], got {xs.tolist()}")
         return jnp.asarray(xs.astype(np.int32))
     # Traced: cannot raise on a value, so clamp to [0, limit] (in the input's own dtype,
@@ -465,8 +520,13 @@ def _check_sinks(sinks, N):
 
 def validate(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
              query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
-             segment_ids=None, logits_soft_cap=None, sinks=None, allow_empty=False):
+             segment_ids=None, logits_soft_cap=None, sinks=None, allow_empty=False,
+             q_offset=None, kv_offset=None):
     """Check every argument once and return ``(query, key, value, spec)``.
+
+    ``q_offset``/``kv_offset`` (int >= 0 or a traced int32 scalar; default none): the global
+    position of the first query/key of this block; lengths are then global valid lengths
+    (checked to be >= 0 only: the sequence may go on past this block).
 
     Raises ``TypeError``/``ValueError`` naming the argument, the value given and what was
     expected. Mask and bias broadcast exactly as in ``jax.nn.dot_product_attention`` (see
@@ -494,8 +554,13 @@ def validate(query, key, value, bias=None, mask=None, *, scale=None, is_causal=F
                              f"got {logits_soft_cap!r}")
         logits_soft_cap = float(logits_soft_cap)
     window = _check_window(local_window_size)
-    q_lengths = _check_lengths("query_seq_lengths", query_seq_lengths, B, T)
-    kv_lengths = _check_lengths("key_value_seq_lengths", key_value_seq_lengths, B, S)
+    q_off = _check_offset("q_offset", q_offset)
+    kv_off = _check_offset("kv_offset", kv_offset)
+    # With an offset the lengths are global: the sequence may go on past this block.
+    q_limit = T if q_off is None else None
+    kv_limit = S if kv_off is None else None
+    q_lengths = _check_lengths("query_seq_lengths", query_seq_lengths, B, q_limit)
+    kv_lengths = _check_lengths("key_value_seq_lengths", key_value_seq_lengths, B, kv_limit)
     q_seg, kv_seg = _check_segments(segment_ids, B, T, S)
     sinks = _check_sinks(sinks, N)
     spec = AttentionSpec(
@@ -503,5 +568,5 @@ def validate(query, key, value, bias=None, mask=None, *, scale=None, is_causal=F
         head_dim_v=value.shape[3], dtype=jnp.dtype(query.dtype), scale=float(scale),
         is_causal=bool(is_causal), window=window, soft_cap=logits_soft_cap, bias=bias,
         mask=mask, q_lengths=q_lengths, kv_lengths=kv_lengths, q_segment_ids=q_seg,
-        kv_segment_ids=kv_seg, sinks=sinks)
+        kv_segment_ids=kv_seg, sinks=sinks, q_offset=q_off, kv_offset=kv_off)
     return query, key, value, spec

@@ -25,7 +25,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-__all__ = ["State", "init", "update", "merge", "finalize", "NEG_INF", "sink_state", "sink_grad"]
+__all__ = ["State", "init", "update", "merge", "finalize", "from_output", "NEG_INF", "sink_state",
+           "sink_grad"]
 
 NEG_INF = float("-inf")
 
@@ -119,3 +120,16 @@ def sink_grad(sink, lse, D):
     finite = jnp.isfinite(lse)
     p = jnp.where(finite, jnp.exp(sink - jnp.where(finite, lse, 0.0)), 0.0)
     return -jnp.sum(p * D.astype(jnp.float32), axis=-1)
+
+
+def from_output(out, lse) -> State:
+    """The state of a finished attention call, ready to :func:`merge` with others.
+
+    ``out [B, T, N, d]`` (public layout, any float dtype) and ``lse [B, N, T]`` give the state
+    ``m = lse, l = 1, acc = O`` ([B, N, T] and [B, N, T, d] float32): ``acc / l`` is ``O`` and
+    ``m + log l`` is ``lse``. Rows with no visible key (``lse = -inf``) get ``l = 0``.
+    """
+    lse = lse.astype(jnp.float32)
+    seen = lse > NEG_INF
+    acc = jnp.swapaxes(out, 1, 2).astype(jnp.float32)
+    return State(lse, seen.astype(jnp.float32), jnp.where(seen[..., None], acc, 0.0))

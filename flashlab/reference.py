@@ -18,7 +18,8 @@ __all__ = ["naive_attention", "attention_from_spec", "oracle_attention"]
 
 def naive_attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
                     query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
-                    segment_ids=None, logits_soft_cap=None, sinks=None):
+                    segment_ids=None, logits_soft_cap=None, sinks=None, q_offset=None,
+                    kv_offset=None):
     """Softmax attention the textbook way.
 
     Args:
@@ -36,6 +37,7 @@ def naive_attention(query, key, value, bias=None, mask=None, *, scale=None, is_c
       logits_soft_cap: ``c > 0``: logits become ``c * tanh(logits / c)`` after scaling.
       sinks: optional float ``[heads]``: a per-head logit in every row's softmax
         denominator that takes no value (``l = exp(sink) + sum_j exp(s_ij)``).
+      q_offset, kv_offset: global positions of query 0 / key 0 (see :mod:`flashlab.masks`).
 
     Returns:
       ``[batch, q_seq, heads, head_dim]`` in the query's dtype. A query row with no visible
@@ -45,7 +47,7 @@ def naive_attention(query, key, value, bias=None, mask=None, *, scale=None, is_c
         query, key, value, bias, mask, scale=scale, is_causal=is_causal,
         query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
         local_window_size=local_window_size, segment_ids=segment_ids,
-        logits_soft_cap=logits_soft_cap, sinks=sinks)
+        logits_soft_cap=logits_soft_cap, sinks=sinks, q_offset=q_offset, kv_offset=kv_offset)
     return attention_from_spec(query, key, value, spec)
 
 
@@ -90,11 +92,12 @@ def attention_from_spec(query, key, value, spec: AttentionSpec):
 
 def oracle_attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
                      query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
-                     segment_ids=None, logits_soft_cap=None, return_lse=False, sinks=None):
+                     segment_ids=None, logits_soft_cap=None, return_lse=False, sinks=None,
+                     q_offset=None, kv_offset=None):
     """Float64 NumPy attention, written independently of the JAX code paths: the truth.
 
     Same arguments and layout as :func:`naive_attention` (inputs are converted to float64
-    NumPy). Returns ``[batch, q_seq, heads, head_dim]`` float64 (and ``lse [batch, heads,
+    NumPy; offsets shift the positions that causal, window and lengths see). Returns ``[batch, q_seq, heads, head_dim]`` float64 (and ``lse [batch, heads,
     q_seq]`` with ``return_lse``). Rows with no visible key are zeros (lse ``-inf``).
     ``sinks`` ``[heads]`` joins every row's denominator; then ``lse`` includes the sink
     (finite on rows with no visible key, whose output is still zero).
@@ -112,8 +115,8 @@ def oracle_attention(query, key, value, bias=None, mask=None, *, scale=None, is_
     if bias is not None:
         s = s + np.asarray(bias, np.float64)
     vis = np.ones((B, N, T, S), bool)
-    i = np.arange(T)[:, None]
-    j = np.arange(S)[None, :]
+    i = np.arange(T)[:, None] + int(q_offset or 0)
+    j = np.arange(S)[None, :] + int(kv_offset or 0)
     if mask is not None:
         vis &= np.asarray(mask, bool)
     if is_causal:

@@ -2,7 +2,7 @@
 
 Each :class:`Backend` declares its capabilities in the vocabulary of
 ``AttentionSpec.features()`` (``bias``, ``mask``, ``causal``, ``local_window``, ``seq_lengths``,
-``segment_ids``, ``soft_cap``, ``gqa``, ``cross_attention``, ``sinks``) plus platforms, dtypes, gradients
+``segment_ids``, ``soft_cap``, ``gqa``, ``cross_attention``, ``sinks``, ``offsets``) plus platforms, dtypes, gradients
 and a distinct value head dim. A backend asked for something outside its declaration raises
 ``NotImplementedError`` naming the feature and the backends that do support it; the
 conformance suite (tests/test_conformance.py) runs every registered backend through the same
@@ -24,7 +24,8 @@ __all__ = ["Backend", "Choice", "register", "backends", "get", "choose", "ALL_FE
            "CPU_TILED_MIN_SCORES"]
 
 ALL_FEATURES = frozenset({"bias", "mask", "causal", "local_window", "seq_lengths",
-                          "segment_ids", "soft_cap", "gqa", "cross_attention", "sinks"})
+                          "segment_ids", "soft_cap", "gqa", "cross_attention", "sinks",
+                          "offsets"})
 ALL_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})
 PLATFORMS = ("cpu", "gpu", "tpu")
 
@@ -266,7 +267,8 @@ register(Backend(
 register(Backend(
     "xla", "jax.nn.dot_product_attention(implementation='xla')", adapters.xla_fn,
     platforms=frozenset(PLATFORMS),
-    features=ALL_FEATURES - {"soft_cap", "sinks"}, value_head_dim=False, autodiff=autodiff.FEATURES))
+    features=ALL_FEATURES - {"soft_cap", "sinks", "offsets"}, value_head_dim=False,
+    autodiff=autodiff.FEATURES))
 register(Backend(
     "tiled", "flashlab.tiled: blockwise attention in plain JAX, custom_vjp backward",
     adapters.tiled_fn, platforms=frozenset(PLATFORMS), requires="flashlab.tiled",

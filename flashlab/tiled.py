@@ -39,6 +39,7 @@ from .masks import AttentionSpec, block_maybe_visible, structural_visible, valid
 from .shard_map_compat import pvary, vma_of
 
 __all__ = ["tiled_attention", "tiled_attention_from_spec", "tiled_attention_with_lse_from_spec",
+           "tiled_attention_backward_from_spec",
            "tiled_hbm_bytes", "DEFAULT_BLOCK_Q", "DEFAULT_BLOCK_K", "block_tables",
            "visit_ranges"]
 
@@ -108,23 +109,10 @@ def tiled_attention_with_lse_from_spec(query, key, value, spec: AttentionSpec, *
 @functools.partial(jax.jit, static_argnums=(4, 5, 6))
 def _with_lse(query, key, value, spec: AttentionSpec, bq: int, bk: int, plain: bool = False):
     # Jitted as a whole: one compilation per shape/spec instead of eager op-by-op dispatch.
-    B, T, N, H = query.shape
-    S, K, Hv = key.shape[1], key.shape[2], value.shape[3]
-    G = N // K
-    cfg = _Config(B=B, K=K, G=G, T=T, S=S, bq=bq, bk=bk, scale=spec.scale,
-                  soft_cap=spec.soft_cap, is_causal=spec.is_causal, window=spec.window)
-    Tp, Sp = _round_up(T, bq), _round_up(S, bk)
-    # [B, T, N, d] -> [B·K, G, T, d]: query head h = k*G + g reads kv head k.
-    q4 = query.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4).reshape(B * K, G, T, H)
-    q4 = _pad(q4, 2, Tp)
-    kv3 = lambda x: _pad(x.transpose(0, 2, 1, 3).reshape(B * K, S, x.shape[3]), 1, Sp)
-    k3, v3 = kv3(key), kv3(value)                               # [B·K, Sp, d], [B·K, Sp, d_v]
-    pad5 = lambda x: _pad(_pad(_heads5(x, K, G), 3, Tp), 4, Sp)  # [B|1, K|1, G|1, Tp, Sp]
-    bias5 = None if spec.bias is None else pad5(spec.bias)
-    aux = _Aux(mask=None if spec.mask is None else pad5(spec.mask),
-               q_lengths=spec.q_lengths, kv_lengths=spec.kv_lengths,
-               q_seg=None if spec.q_segment_ids is None else _pad(spec.q_segment_ids, 1, Tp),
-               kv_seg=None if spec.kv_segment_ids is None else _pad(spec.kv_segment_ids, 1, Sp))
+    B, T, N, _ = query.shape
+    Hv = value.shape[3]
+    cfg, q4, k3, v3, bias5, aux = _prepare(query, key, value, spec, bq, bk)
+    K, G = cfg.K, cfg.G
     sinks2 = None                       # [N] -> [B·K, G], the rows layout of the heads
     if spec.sinks is not None:
         sinks2 = jnp.tile(spec.sinks.astype(jnp.float32).reshape(1, K, G), (B, 1, 1))
@@ -136,6 +124,63 @@ def _with_lse(query, key, value, spec: AttentionSpec, bq: int, bk: int, plain: b
     out = out4[:, :, :T].reshape(B, K, G, T, Hv).transpose(0, 3, 1, 2, 4).reshape(B, T, N, Hv)
     lse = lse3[:, :, :T].reshape(B, N, T)
     return out.astype(query.dtype), lse
+
+
+def _prepare(query, key, value, spec: AttentionSpec, bq: int, bk: int):
+    """Public layout -> ``(cfg, q4, k3, v3, bias5, aux)``, the loops' padded operands."""
+    B, T, N, H = query.shape
+    S, K = key.shape[1], key.shape[2]
+    G = N // K
+    cfg = _Config(B=B, K=K, G=G, T=T, S=S, bq=bq, bk=bk, scale=spec.scale,
+                  soft_cap=spec.soft_cap, is_causal=spec.is_causal, window=spec.window,
+                  offsets=spec.has_offsets)
+    Tp, Sp = _round_up(T, bq), _round_up(S, bk)
+    # [B, T, N, d] -> [B·K, G, T, d]: query head h = k*G + g reads kv head k.
+    q4 = query.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4).reshape(B * K, G, T, H)
+    q4 = _pad(q4, 2, Tp)
+    kv3 = lambda x: _pad(x.transpose(0, 2, 1, 3).reshape(B * K, S, x.shape[3]), 1, Sp)
+    k3, v3 = kv3(key), kv3(value)                               # [B·K, Sp, d], [B·K, Sp, d_v]
+    pad5 = lambda x: _pad(_pad(_heads5(x, K, G), 3, Tp), 4, Sp)  # [B|1, K|1, G|1, Tp, Sp]
+    bias5 = None if spec.bias is None else pad5(spec.bias)
+    q_lengths, kv_lengths = spec.local_lengths()                # lengths of this block
+    q_off, kv_off = spec.offsets() if spec.has_offsets else (None, None)
+    aux = _Aux(mask=None if spec.mask is None else pad5(spec.mask),
+               q_lengths=q_lengths, kv_lengths=kv_lengths,
+               q_seg=None if spec.q_segment_ids is None else _pad(spec.q_segment_ids, 1, Tp),
+               kv_seg=None if spec.kv_segment_ids is None else _pad(spec.kv_segment_ids, 1, Sp),
+               q_offset=q_off, kv_offset=kv_off)
+    return cfg, q4, k3, v3, bias5, aux
+
+
+def tiled_attention_backward_from_spec(query, key, value, spec: AttentionSpec, out, lse, d_out,
+                                       *, block_q=None, block_k=None):
+    """The tiled backward on its own, given the forward's ``out`` and ``lse``.
+
+    ``out [B, T, N, d_v]`` and ``lse [B, N, T]`` float32 may come from a *larger* softmax than
+    this call's keys (ring attention passes the global ones): ``P = exp(S - lse)`` is then this
+    block's share of the global P, and the gradients returned are this block's contribution.
+    Returns ``(dq [B, T, N, d], dk [B, S, K, d], dv [B, S, K, d_v], dbias | None)`` float32.
+    """
+    bq, bk = _block_sizes(block_q, block_k, query.shape[1], key.shape[1])
+    return _backward_public(query, key, value, spec, out, lse, d_out, bq, bk)
+
+
+@functools.partial(jax.jit, static_argnums=(7, 8))
+def _backward_public(query, key, value, spec, out, lse, d_out, bq, bk):
+    B, T, N, H = query.shape
+    S, K, Hv = key.shape[1], key.shape[2], value.shape[3]
+    cfg, q4, k3, v3, bias5, aux = _prepare(query, key, value, spec, bq, bk)
+    G, Tp = cfg.G, q4.shape[2]
+    rows = lambda x: _pad(x.reshape(B, T, K, G, -1).transpose(0, 2, 3, 1, 4)    # noqa: E731
+                          .reshape(B * K, G, T, x.shape[-1]), 2, Tp)
+    lse3 = _pad(lse.astype(jnp.float32).reshape(B * K, G, T), 2, Tp)
+    dq, dk, dv, dbias = _backward_by_head(cfg, q4, k3, v3, bias5, aux, rows(out), lse3,
+                                          rows(d_out), jnp.zeros_like(lse3))
+    dq = dq[:, :, :T].reshape(B, K, G, T, H).transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
+    unkv = lambda x: x[:, :S].reshape(B, K, S, x.shape[-1]).transpose(0, 2, 1, 3)  # noqa: E731
+    if dbias is not None:
+        dbias = dbias[..., :T, :S].reshape(spec.bias.shape)
+    return dq, unkv(dk), unkv(dv), dbias
 
 
 def tiled_hbm_bytes(*, batch: int, heads: int, q_len: int, kv_len: int, head_dim: int,
@@ -221,17 +266,21 @@ class _Config:
     soft_cap: float | None
     is_causal: bool
     window: tuple | None
+    offsets: bool = False        # q/kv offsets given (traced): causal/window ranges at run time
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class _Aux:
-    """Non-differentiable arrays: padded dense mask [B|1,K|1,G|1,Tp,Sp], lengths, segments."""
+    """Non-differentiable arrays: padded dense mask [B|1,K|1,G|1,Tp,Sp], lengths (of this
+    block), segments, and the global offsets of query 0 and key 0 (int32 scalars)."""
     mask: jax.Array | None = None
     q_lengths: jax.Array | None = None
     kv_lengths: jax.Array | None = None
     q_seg: jax.Array | None = None
     kv_seg: jax.Array | None = None
+    q_offset: jax.Array | None = None
+    kv_offset: jax.Array | None = None
 
 
 def _check_block(name, b, default, length):
@@ -311,6 +360,47 @@ def _bounds(ranges, r, *, row_len, row_block, col_len, col_block):
     return lo, flo, fhi, hi
 
 
+def _offset_bounds(bounds, cfg: _Config, aux: _Aux, r, *, transposed: bool):
+    """Tighten row ``r``'s traced ``lo .. hi`` by causal/window at the global offsets.
+
+    Local key ``k`` can be visible from local query ``q`` only if ``k <= q + δ`` (causal),
+    ``q + δ - left <= k <= q + δ + right`` (window), ``δ = q_offset - kv_offset``: the same
+    rule as :func:`flashlab.masks.block_maybe_visible`, solved for block indices. Every
+    visited tile is masked (the table marks all of them masked when offsets are given).
+    """
+    lo, _, _, hi = bounds
+    if not (cfg.is_causal or cfg.window is not None):
+        return bounds
+    delta = aux.q_offset - aux.kv_offset
+    left, right = cfg.window if cfg.window is not None else (None, None)
+    first, last = [], []
+    if not transposed:            # row = q block r; columns = kv blocks
+        q0, ql = r * cfg.bq + delta, r * cfg.bq + cfg.bq - 1 + delta
+        col = cfg.bk
+        if cfg.is_causal:
+            last.append(ql)
+        if right is not None:
+            last.append(ql + right)
+        if left is not None:
+            first.append(q0 - left)
+    else:                         # row = kv block r; columns = q blocks
+        k0, kl = r * cfg.bk - delta, r * cfg.bk + cfg.bk - 1 - delta
+        col = cfg.bq
+        if cfg.is_causal:
+            first.append(k0)
+        if right is not None:
+            first.append(k0 - right)
+        if left is not None:
+            last.append(kl + left)
+    for f in first:
+        lo = jnp.maximum(lo, jnp.floor_divide(f, col))
+    for x in last:
+        hi = jnp.minimum(hi, jnp.floor_divide(x, col) + 1)
+    lo = jnp.clip(lo, 0, hi)
+    hi = jnp.maximum(hi, lo)
+    return lo, lo, lo, hi
+
+
 def _three_loops(bounds, used, masked_body, unmasked_body, carry):
     # A loop whose range is empty for every row is not emitted at all (less to compile).
     lo, flo, fhi, hi = bounds
@@ -325,11 +415,15 @@ def _three_loops(bounds, used, masked_body, unmasked_body, carry):
 
 def _tables(cfg: _Config, aux: _Aux, *, transposed: bool):
     """``(ranges [4, R] int32 array, used)``: which of the three loops any row needs."""
-    maybe, full, _, _ = block_tables(cfg.T, cfg.S, cfg.bq, cfg.bk, is_causal=cfg.is_causal,
-                                     window=cfg.window)
+    # With offsets the causal/window range is known only at run time (_offset_bounds): the
+    # static table then holds every block, all masked.
+    static = not cfg.offsets
+    maybe, full, _, _ = block_tables(cfg.T, cfg.S, cfg.bq, cfg.bk,
+                                     is_causal=cfg.is_causal and static,
+                                     window=cfg.window if static else None)
     if transposed:
         maybe, full = maybe.T, full.T
-    dense = aux.mask is not None or aux.q_seg is not None
+    dense = aux.mask is not None or aux.q_seg is not None or cfg.offsets
     lo, flo, fhi, hi = r = visit_ranges(maybe, full, all_masked=dense)
     lengths = aux.q_lengths is not None or aux.kv_lengths is not None   # may move fhi down
     used = (bool((flo > lo).any()), bool((fhi > flo).any()), bool((hi > fhi).any()) or lengths)
@@ -369,10 +463,14 @@ def _visible(cfg: _Config, aux: _Aux, i, j, transposed: bool):
             q_seg, kv_seg = qs[:, None, None, None, :], ks[:, None, :, None, None]
         else:
             q_seg, kv_seg = qs[:, None, None, :, None], ks[:, None, None, None, :]
+    q_len = None if aux.q_lengths is None else col(aux.q_lengths)
+    kv_len = cfg.S if aux.kv_lengths is None else col(aux.kv_lengths)   # padding is masked
+    if aux.q_offset is not None:     # global positions; the local lengths shift with them
+        q_pos, k_pos = q_pos + aux.q_offset, k_pos + aux.kv_offset
+        q_len = None if q_len is None else q_len + aux.q_offset
+        kv_len = kv_len + aux.kv_offset
     vis = structural_visible(
-        q_pos, k_pos, is_causal=cfg.is_causal, window=cfg.window,
-        q_len=None if aux.q_lengths is None else col(aux.q_lengths),
-        kv_len=cfg.S if aux.kv_lengths is None else col(aux.kv_lengths),   # padding is masked
+        q_pos, k_pos, is_causal=cfg.is_causal, window=cfg.window, q_len=q_len, kv_len=kv_len,
         q_seg=q_seg, kv_seg=kv_seg)
     if aux.mask is not None:
         m = _tile(aux.mask, cfg, i, j)
@@ -443,6 +541,8 @@ def _forward(cfg: _Config, q4, k3, v3, bias5, aux: _Aux, sinks2=None):
         bounds = _bounds(ranges, i, row_len=aux.q_lengths, row_block=cfg.bq,
                          col_len=aux.kv_lengths, col_block=cfg.bk)
         # Inside shard_map the initial state varies over the mesh axes its data does.
+        if cfg.offsets:
+            bounds = _offset_bounds(bounds, cfg, aux, i, transposed=False)
         state = _three_loops(bounds, used, kv_step(True), kv_step(False),
                              pvary(osm.init((BK, G * cfg.bq), Hv, _acc(q4.dtype)), axes))
         if sinks2 is not None:
@@ -515,6 +615,8 @@ def _backward(cfg: _Config, q4, k3, v3, bias5, aux: _Aux, out4, lse3, dout4, dls
 
         bounds = _bounds(ranges, j, row_len=aux.kv_lengths, row_block=cfg.bk,
                          col_len=aux.q_lengths, col_block=cfg.bq)
+        if cfg.offsets:
+            bounds = _offset_bounds(bounds, cfg, aux, j, transposed=True)
         zeros = pvary((jnp.zeros((BK, cfg.bk, H), f32), jnp.zeros((BK, cfg.bk, Hv), f32)), axes)
         dq, dbias, dk, dv = _three_loops(bounds, used, q_step(True), q_step(False),
                                          (dq, dbias, *zeros))
@@ -564,7 +666,7 @@ def _head_slice(cfg: _Config, h, bias5, aux: _Aux):
     batch = lambda x: None if x is None else jax.lax.dynamic_slice_in_dim(x, b, 1, 0)
     aux1 = _Aux(mask=five(aux.mask), q_lengths=batch(aux.q_lengths),
                 kv_lengths=batch(aux.kv_lengths), q_seg=batch(aux.q_seg),
-                kv_seg=batch(aux.kv_seg))
+                kv_seg=batch(aux.kv_seg), q_offset=aux.q_offset, kv_offset=aux.kv_offset)
     return dataclasses.replace(cfg, B=1, K=1), five(bias5), aux1
 
 

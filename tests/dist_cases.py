@@ -115,6 +115,23 @@ def case_ring_window_cross_batch_mesh():
           {"is_causal": True, "local_window_size": (6, 0)})
 
 
+def case_ring_pallas_zigzag_causal_gqa():
+    # Our Pallas kernel (generic interpreter on CPU) computes every ring step's block.
+    mesh = jax.make_mesh((8,), ("sp",))
+    q, k, v = random_qkv(np.random.default_rng(11), 1, 32, 32, 4, 2, 8)
+    check(ring(mesh=mesh, backend="pallas_tpu"), q, k, v, {"is_causal": True})
+
+
+def case_ring_pallas_window_segments_lengths():
+    mesh = jax.make_mesh((8,), ("sp",))
+    rng = np.random.default_rng(12)
+    q, k, v = random_qkv(rng, 2, 32, 32, 2, 1, 8)
+    seg = np.array([[0] * 5 + [1] * 19 + [2] * 8, [0] * 30 + [1] * 2], np.int32)
+    check(ring(mesh=mesh, backend="pallas_tpu", layout="contiguous"), q, k, v,
+          {"segment_ids": seg, "local_window_size": (6, 3),
+           "key_value_seq_lengths": np.array([29, 17], np.int32)})
+
+
 def case_ring_block_counts_balance():
     mesh = jax.make_mesh((8,), ("sp",))
     q, k, v = random_qkv(np.random.default_rng(5), 1, 64, 64, 2, 2, 8)
@@ -130,6 +147,10 @@ def case_ring_block_counts_balance():
     assert (zig == 2 * P + 1).all(), zig                               # balanced
     full = ring_block_counts(q, k, v, mesh=mesh, axis_name="sp", layout="zigzag")
     assert (full == 4 * P).all(), full                                 # no mask: nothing skipped
+    # The kernel backend skips the same blocks (the ring decides, before calling it).
+    pz = ring_block_counts(q, k, v, mesh=mesh, axis_name="sp", layout="zigzag", is_causal=True,
+                           backend="pallas_tpu")
+    np.testing.assert_array_equal(pz, zig)
 
 
 def case_sharded_gqa_batch_heads():
@@ -177,8 +198,8 @@ def case_errors():
                                                         mesh=mesh, axis_name="sp"))
     raises(ValueError, ["layout", "'striped'"], lambda: ring_attention(q2, k2, v2, mesh=mesh, axis_name="sp",
                                                                        layout="striped"))
-    raises(ValueError, ["backend"], lambda: ring_attention(q2, k2, v2, mesh=mesh, axis_name="sp",
-                                                           backend="splash"))
+    raises(NotImplementedError, ["backend", "'splash'", "offsets"],
+           lambda: ring_attention(q2, k2, v2, mesh=mesh, axis_name="sp", backend="splash"))
     raises(TypeError, ["mesh"], lambda: ring_attention(q2, k2, v2, mesh="sp", axis_name="sp"))
     raises(ValueError, ["batch_axis", "2", "8"], lambda: sharded_attention(q2, k2, v2, mesh=mesh, batch_axis="sp"))
     mesh2 = jax.make_mesh((8,), ("heads",))

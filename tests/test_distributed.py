@@ -17,6 +17,7 @@ from flashlab import comm_model, ring_layout
 HERE = Path(__file__).resolve().parent
 CASES = ["ring_zigzag_causal_gqa", "ring_contiguous_segments_softcap",
          "ring_lengths_fully_masked", "ring_window_cross_batch_mesh",
+         "ring_pallas_zigzag_causal_gqa", "ring_pallas_window_segments_lengths",
          "ring_block_counts_balance", "sharded_gqa_batch_heads", "sharded_masks", "errors"]
 
 

@@ -107,10 +107,11 @@ def _q_side_operands(cfg, q_map, kv_map, scores_map_for, qseg_map, kvseg_map):
     return names + n2, specs + s2, shapes + sh2
 
 
-def _q_range(cfg, b, j, q_lengths, kv_lengths):
+def _q_range(cfg, b, j, q_lengths, kv_lengths, offsets=None):
     return blk.q_block_range(j, q_lengths[b], kv_lengths[b], block_q=cfg.block_q,
                              block_k=cfg.block_k, num_q_blocks=cfg.num_q_blocks,
-                             is_causal=cfg.is_causal, window=cfg.window)
+                             is_causal=cfg.is_causal, window=cfg.window,
+                             shift=fwd.offset_shift(offsets))
 
 
 def dkdv_grid_spec(cfg: ForwardConfig) -> BackwardGridSpec:
@@ -119,26 +120,26 @@ def dkdv_grid_spec(cfg: ForwardConfig) -> BackwardGridSpec:
     bk = cfg.block_k
     Sp, Dp, Dvp = cfg.kv_len_p, cfg.head_dim_p, cfg.head_dim_v_p
 
-    def q_block(b, j, i, q_lengths, kv_lengths):
-        lo, hi = _q_range(cfg, b, j, q_lengths, kv_lengths)
+    def q_block(b, j, i, q_lengths, kv_lengths, offsets=None):
+        lo, hi = _q_range(cfg, b, j, q_lengths, kv_lengths, offsets)
         return blk.clamp_kv_block(i, lo, hi, cfg.num_q_blocks)   # same clamp, on the q axis
 
-    def q_map(b, hk, j, g, i, q_lengths, kv_lengths):       # Q_i, dO_i, lse_i, D_i of head h
-        return (b, hk * G + g, q_block(b, j, i, q_lengths, kv_lengths), 0)
+    def q_map(b, hk, j, g, i, q_lengths, kv_lengths, offsets=None):  # Q_i, dO_i, lse_i, D_i
+        return (b, hk * G + g, q_block(b, j, i, q_lengths, kv_lengths, offsets), 0)
 
-    def kv_map(b, hk, j, g, i, q_lengths, kv_lengths):      # K_j, V_j, dK_j, dV_j: fixed
+    def kv_map(b, hk, j, g, i, q_lengths, kv_lengths, offsets=None):  # K_j, V_j, dK_j, dV_j
         return (b, hk, j, 0)
 
     def scores_map_for(bcast):
-        def scores_map(b, hk, j, g, i, q_lengths, kv_lengths):
+        def scores_map(b, hk, j, g, i, q_lengths, kv_lengths, offsets=None):
             return (0 if bcast[0] else b, 0 if bcast[1] else hk * G + g,
-                    q_block(b, j, i, q_lengths, kv_lengths), j)
+                    q_block(b, j, i, q_lengths, kv_lengths, offsets), j)
         return scores_map
 
-    def qseg_map(b, hk, j, g, i, q_lengths, kv_lengths):
-        return (b, q_block(b, j, i, q_lengths, kv_lengths), 0)
+    def qseg_map(b, hk, j, g, i, q_lengths, kv_lengths, offsets=None):
+        return (b, q_block(b, j, i, q_lengths, kv_lengths, offsets), 0)
 
-    def kvseg_map(b, hk, j, g, i, q_lengths, kv_lengths):
+    def kvseg_map(b, hk, j, g, i, q_lengths, kv_lengths, offsets=None):
         return (b, 0, j)
 
     names, specs, shapes = _q_side_operands(cfg, q_map, kv_map, scores_map_for, qseg_map,
@@ -153,7 +154,7 @@ def dkdv_grid_spec(cfg: ForwardConfig) -> BackwardGridSpec:
         config=cfg, grid=(B, K, cfg.num_kv_blocks, G, cfg.num_q_blocks),
         in_names=tuple(names), in_specs=tuple(specs), in_shapes=tuple(shapes),
         out_names=("dk", "dv"), out_specs=out_specs, out_shapes=out_shapes,
-        scratch_shapes=scratch,
+        scratch_shapes=scratch, num_scalar_prefetch=2 + cfg.has_offsets,
         dimension_semantics=("parallel", "parallel", "parallel", "arbitrary", "arbitrary"),
         name="flashlab_flash_backward_dkdv")
 
@@ -168,7 +169,7 @@ def dq_grid_spec(cfg: ForwardConfig, with_dbias: bool = True) -> BackwardGridSpe
     B, N, Tp, Sp, Dp = cfg.batch, cfg.num_heads, cfg.q_len_p, cfg.kv_len_p, cfg.head_dim_p
     maps = fwd.index_maps(cfg)                         # the forward's grid and maps
 
-    def ds_map(b, h, i, j, q_lengths, kv_lengths):     # every block written (zeros if skipped)
+    def ds_map(b, h, i, j, q_lengths, kv_lengths, offsets=None):  # every block written
         return (b, h, i, j)
 
     names, specs, shapes = _q_side_operands(cfg, maps.q, maps.kv, maps.scores_for, maps.q_seg,
@@ -184,7 +185,7 @@ def dq_grid_spec(cfg: ForwardConfig, with_dbias: bool = True) -> BackwardGridSpe
         config=cfg, grid=cfg.grid, in_names=tuple(names), in_specs=tuple(specs),
         in_shapes=tuple(shapes), out_names=tuple(out_names), out_specs=tuple(out_specs),
         out_shapes=tuple(out_shapes), scratch_shapes=(compat.VMEM((bq, Dp), jnp.float32),),
-        name="flashlab_flash_backward_dq")
+        num_scalar_prefetch=2 + cfg.has_offsets, name="flashlab_flash_backward_dq")
 
 
 def backward_grid_specs(cfg: ForwardConfig, with_dbias: bool = True
@@ -216,6 +217,7 @@ def _recompute(ins, cfg: ForwardConfig, q_start, k_start, q_len, kv_len):
 
 def _dkdv_kernel(q_lengths_ref, kv_lengths_ref, *refs, cfg: ForwardConfig, names):
     """Step ``(b, hk, j, g, i)``: dV_j += P_ijᵀ dO_i, dK_j += scale·dS'_ijᵀ Q_i."""
+    offsets_ref, refs = (refs[0], refs[1:]) if cfg.has_offsets else (None, refs)
     n_in = len(names)
     ins = dict(zip(names, refs[:n_in]))
     dk_ref, dv_ref, dk_acc, dv_acc = refs[n_in:]
@@ -227,13 +229,13 @@ def _dkdv_kernel(q_lengths_ref, kv_lengths_ref, *refs, cfg: ForwardConfig, names
         dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
         dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
 
-    lo, hi = _q_range(cfg, 0, j, (q_len,), (kv_len,))
+    lo, hi = _q_range(cfg, 0, j, (q_len,), (kv_len,), offsets_ref)
     run = jnp.logical_and(lo <= i, i <= hi)        # exactly the index map's unclamped steps
 
     @pl.when(run)
     def _compute():
-        q, _, do, p, _, ds_raw = _recompute(ins, cfg, i * cfg.block_q, j * cfg.block_k,
-                                            q_len, kv_len)
+        q, _, do, p, _, ds_raw = _recompute(ins, cfg, *fwd.global_starts(
+            offsets_ref, i * cfg.block_q, j * cfg.block_k, q_len, kv_len))
         tn = (((0,), (0,)), ((), ()))                              # Aᵀ B
         dv_acc[...] += jax.lax.dot_general(p.astype(do.dtype), do, tn,
                                            preferred_element_type=jnp.float32)
@@ -248,6 +250,7 @@ def _dkdv_kernel(q_lengths_ref, kv_lengths_ref, *refs, cfg: ForwardConfig, names
 
 def _dq_kernel(q_lengths_ref, kv_lengths_ref, *refs, cfg: ForwardConfig, names, has_ds):
     """Step ``(b, h, i, j)``: dQ_i += scale·dS'_ij K_j (and dS_ij out, for dBias)."""
+    offsets_ref, refs = (refs[0], refs[1:]) if cfg.has_offsets else (None, refs)
     n_in = len(names)
     ins = dict(zip(names, refs[:n_in]))
     dq_ref = refs[n_in]
@@ -260,13 +263,13 @@ def _dq_kernel(q_lengths_ref, kv_lengths_ref, *refs, cfg: ForwardConfig, names, 
     def _init():
         dq_acc[...] = jnp.zeros(dq_acc.shape, jnp.float32)
 
-    lo, hi = fwd._kv_range(cfg, 0, i, (q_len,), (kv_len,))
+    lo, hi = fwd._kv_range(cfg, 0, i, (q_len,), (kv_len,), offsets_ref)
     run = jnp.logical_and(lo <= j, j <= hi)
 
     @pl.when(run)
     def _compute():
-        _, k, _, _, ds, ds_raw = _recompute(ins, cfg, i * cfg.block_q, j * cfg.block_k,
-                                            q_len, kv_len)
+        _, k, _, _, ds, ds_raw = _recompute(ins, cfg, *fwd.global_starts(
+            offsets_ref, i * cfg.block_q, j * cfg.block_k, q_len, kv_len))
         dq_acc[...] += jax.lax.dot_general(ds_raw.astype(k.dtype), k, (((1,), (0,)), ((), ())),
                                            preferred_element_type=jnp.float32) * cfg.scale
         if has_ds:
@@ -287,7 +290,8 @@ def _cost_estimate(gs: BackwardGridSpec, kernel: str) -> Any:
     cfg = gs.config
     visible = blk.num_visible_blocks(cfg.num_q_blocks, cfg.num_kv_blocks, q_len=cfg.q_len_p,
                                      kv_len=cfg.kv_len, block_q=cfg.block_q, block_k=cfg.block_k,
-                                     is_causal=cfg.is_causal, window=cfg.window)
+                                     is_causal=cfg.is_causal and not cfg.has_offsets,
+                                     window=None if cfg.has_offsets else cfg.window)
     bh = cfg.batch * cfg.num_heads
     pairs = bh * visible
     tile = cfg.block_q * cfg.block_k
@@ -356,7 +360,7 @@ def _backward(query, key, value, spec, out, lse, d_out, *, cfg: ForwardConfig, i
 
     do = jnp.swapaxes(d_out.astype(cfg.dtype), 1, 2)
     do = jnp.pad(do, ((0, 0), (0, 0), (0, Tp - cfg.q_len), (0, Dvp - cfg.head_dim_v)))
-    ops = ops[:3] + [do, stats] + ops[3:]
+    ops = fwd.offset_operands(cfg, spec) + ops[:3] + [do, stats] + ops[3:]
     dk, dv = _call(dkdv_grid_spec(cfg), _dkdv_kernel, "dkdv", interpret, q_lengths,
                    kv_lengths, ops)
     dq_outs = _call(dq_grid_spec(cfg, with_dbias), _dq_kernel, "dq", interpret, q_lengths,

@@ -250,7 +250,7 @@ def div_nonneg(a, b):
 
 
 def kv_block_range(i, q_len, kv_len, *, block_q, block_k, num_kv_blocks, is_causal=False,
-                   window=None):
+                   window=None, shift=0):
     """The kv blocks ``lo .. hi`` (inclusive) that q block ``i`` may need to see.
 
     Keys outside ``[lo*B_c, (hi+1)*B_c)`` are invisible to every query of the block: by the
@@ -258,19 +258,22 @@ def kv_block_range(i, q_len, kv_len, *, block_q, block_k, num_kv_blocks, is_caus
     whose ``True`` set this range equals exactly; the tests check it), past the valid
     ``kv_len``, or because the whole q block is past the valid ``q_len``. ``hi < lo`` means
     nothing is visible. Works on Python ints (replay, figures) and traced int32 (index maps).
+    ``shift = q_offset - kv_offset`` (int or traced): the blocks sit at global positions, so
+    local key ``k`` is causally visible from local query ``q`` only if ``k <= q + shift``
+    (lengths stay local).
     """
     q_start = i * block_q
     q_last = q_start + block_q - 1
     last = kv_len - 1                                   # last valid key position, >= -1
     if is_causal:
-        last = _min(last, q_last)
+        last = _min(last, q_last + shift)
     first = 0
     if window is not None:
         left, right = window
         if right is not None:
-            last = _min(last, q_last + right)
+            last = _min(last, q_last + shift + right)
         if left is not None:
-            first = _max(0, q_start - left)
+            first = _max(0, q_start + shift - left)
     # A q block entirely past q_len sees nothing.
     del num_kv_blocks                                  # lo may exceed it: then hi < lo
     return _block_span(first, last, _less(q_start, q_len), block_k)
@@ -322,16 +325,17 @@ __all__ += ["clamp_kv_block", "num_visible_blocks", "div_nonneg"]
 # ----------------------------------------------------------------------------- the backward
 
 def q_block_range(j, q_len, kv_len, *, block_q, block_k, num_q_blocks, is_causal=False,
-                  window=None):
+                  window=None, shift=0):
     """The q blocks ``lo .. hi`` (inclusive) that may see kv block ``j`` (the dK/dV kernel's range).
 
     The transpose of :func:`kv_block_range`: query ``q`` sees key ``k`` only if ``k <= q``
     (causal) and ``q - left <= k <= q + right`` (window), i.e. ``q >= k`` and
     ``k - right <= q <= k + left``; queries past ``q_len`` see nothing and a kv block that
     starts past ``kv_len`` is seen by nobody. ``hi < lo`` means nothing is visible. Works on
-    Python ints and traced int32 (index maps and the kernel's ``pl.when``).
+    Python ints and traced int32 (index maps and the kernel's ``pl.when``). ``shift`` as in
+    :func:`kv_block_range`.
     """
-    k_start = j * block_k
+    k_start = j * block_k - shift                      # in query coordinates
     k_last = k_start + block_k - 1
     first = 0
     last = q_len - 1                                    # last valid query position, >= -1
@@ -345,7 +349,7 @@ def q_block_range(j, q_len, kv_len, *, block_q, block_k, num_q_blocks, is_causal
             first = _max(first, k_start - right)
     # A kv block that starts past kv_len is seen by nobody.
     del num_q_blocks                                   # lo may exceed it: then hi < lo
-    return _block_span(first, last, _less(k_start, kv_len), block_q)
+    return _block_span(first, last, _less(j * block_k, kv_len), block_q)
 
 
 def backward_vmem_bytes(block_q: int, block_k: int, head_dim: int, dtype, *,

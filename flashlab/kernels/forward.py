@@ -70,6 +70,7 @@ class ForwardConfig:
     mask_q_len: bool = False        # query_seq_lengths given: rows past it are masked
     mask_kv_len: bool = False       # kv lengths given or kv padding: keys past it are masked
     return_lse: bool = False
+    has_offsets: bool = False       # q/kv offsets: a third scalar-prefetch operand [2] int32
     chip: str | None = None         # the TPU generation the blocks and VMEM limit are for
     has_sinks: bool = False         # sinks [Hq]: merged into each row's state at finalize
 
@@ -139,7 +140,8 @@ def make_config(spec: AttentionSpec, *, block_q=None, block_k=None, return_lse=F
         mask_bcast=bcast(spec.mask), has_segments=spec.q_segment_ids is not None,
         mask_q_len=spec.q_lengths is not None,
         mask_kv_len=spec.kv_lengths is not None or blk.round_up(spec.kv_len, int(block_k)) != spec.kv_len,
-        return_lse=return_lse, chip=chip, has_sinks=spec.sinks is not None)
+        return_lse=return_lse, has_offsets=spec.has_offsets, chip=chip,
+        has_sinks=spec.sinks is not None)
     return cfg
 
 
@@ -185,10 +187,24 @@ class ForwardGridSpec:
         return (self.in_shapes + self.out_shapes)[names.index(name)]
 
 
-def _kv_range(cfg: ForwardConfig, b, i, q_lengths, kv_lengths):
+def _kv_range(cfg: ForwardConfig, b, i, q_lengths, kv_lengths, offsets=None):
     return blk.kv_block_range(i, q_lengths[b], kv_lengths[b], block_q=cfg.block_q,
                               block_k=cfg.block_k, num_kv_blocks=cfg.num_kv_blocks,
-                              is_causal=cfg.is_causal, window=cfg.window)
+                              is_causal=cfg.is_causal, window=cfg.window,
+                              shift=offset_shift(offsets))
+
+
+def offset_shift(offsets):
+    """``q_offset - kv_offset`` from the scalar-prefetched ``offsets`` ``[2]`` (0 without)."""
+    return 0 if offsets is None else offsets[0] - offsets[1]
+
+
+def global_starts(offsets_ref, q_start, k_start, q_len, kv_len):
+    """Local block starts and (local) lengths -> global ones, for the one mask definition."""
+    if offsets_ref is None:
+        return q_start, k_start, q_len, kv_len
+    qo, ko = offsets_ref[0], offsets_ref[1]
+    return q_start + qo, k_start + ko, q_len + qo, kv_len + ko
 
 
 def mask_operands(cfg, scores_map_for, q_seg_map, kv_seg_map):
@@ -230,27 +246,29 @@ def index_maps(cfg: ForwardConfig) -> IndexMaps:
     """Index maps for the grid ``(b, h, i, j)``; a skipped step re-maps to a fetched block."""
     G = cfg.group_size
 
-    def kv_block(b, i, j, q_lengths, kv_lengths):
-        lo, hi = _kv_range(cfg, b, i, q_lengths, kv_lengths)
+    # ``offsets`` ([2] int32: q_offset, kv_offset) is the third scalar-prefetch operand when
+    # the spec has offsets; the clamp then follows the global causal/window range.
+    def kv_block(b, i, j, q_lengths, kv_lengths, offsets=None):
+        lo, hi = _kv_range(cfg, b, i, q_lengths, kv_lengths, offsets)
         return blk.clamp_kv_block(j, lo, hi, cfg.num_kv_blocks)
 
-    def q_index_map(b, h, i, j, q_lengths, kv_lengths):
+    def q_index_map(b, h, i, j, q_lengths, kv_lengths, offsets=None):
         return (b, h, i, 0)
 
-    def kv_index_map(b, h, i, j, q_lengths, kv_lengths):
-        return (b, blk.div_nonneg(h, G), kv_block(b, i, j, q_lengths, kv_lengths), 0)
+    def kv_index_map(b, h, i, j, q_lengths, kv_lengths, offsets=None):
+        return (b, blk.div_nonneg(h, G), kv_block(b, i, j, q_lengths, kv_lengths, offsets), 0)
 
     def scores_index_map_for(bcast):
-        def scores_index_map(b, h, i, j, q_lengths, kv_lengths):
+        def scores_index_map(b, h, i, j, q_lengths, kv_lengths, offsets=None):
             return (0 if bcast[0] else b, 0 if bcast[1] else h, i,
-                    kv_block(b, i, j, q_lengths, kv_lengths))
+                    kv_block(b, i, j, q_lengths, kv_lengths, offsets))
         return scores_index_map
 
-    def q_seg_index_map(b, h, i, j, q_lengths, kv_lengths):
+    def q_seg_index_map(b, h, i, j, q_lengths, kv_lengths, offsets=None):
         return (b, i, 0)
 
-    def kv_seg_index_map(b, h, i, j, q_lengths, kv_lengths):
-        return (b, 0, kv_block(b, i, j, q_lengths, kv_lengths))
+    def kv_seg_index_map(b, h, i, j, q_lengths, kv_lengths, offsets=None):
+        return (b, 0, kv_block(b, i, j, q_lengths, kv_lengths, offsets))
 
     return IndexMaps(q_index_map, kv_index_map, scores_index_map_for, q_seg_index_map,
                      kv_seg_index_map)
@@ -290,10 +308,11 @@ def forward_grid_spec(cfg: ForwardConfig) -> ForwardGridSpec:
     return ForwardGridSpec(config=cfg, grid=cfg.grid, in_names=tuple(names),
                            in_specs=tuple(specs), in_shapes=tuple(shapes),
                            out_names=tuple(out_names), out_specs=tuple(out_specs),
-                           out_shapes=tuple(out_shapes), scratch_shapes=scratch)
+                           out_shapes=tuple(out_shapes), scratch_shapes=scratch,
+                           num_scalar_prefetch=2 + cfg.has_offsets)
 
 
-def _sinks_index_map(b, h, i, j, q_lengths, kv_lengths):
+def _sinks_index_map(b, h, i, j, q_lengths, kv_lengths, offsets=None):
     return (h, 0, 0)
 
 
@@ -342,6 +361,7 @@ def score_tile(ins, cfg: ForwardConfig, q_start, k_start, q_len, kv_len):
 
 def _forward_kernel(q_lengths_ref, kv_lengths_ref, *refs, cfg: ForwardConfig, names):
     """One grid step ``(b, h, i, j)``: fold S_ij into (m, l, acc); finalize at the last j."""
+    offsets_ref, refs = (refs[0], refs[1:]) if cfg.has_offsets else (None, refs)
     n_in = len(names)
     ins = dict(zip(names, refs[:n_in]))
     outs = refs[n_in:n_in + 1 + cfg.return_lse]
@@ -356,7 +376,8 @@ def _forward_kernel(q_lengths_ref, kv_lengths_ref, *refs, cfg: ForwardConfig, na
         l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-    q_start, k_start = i * bq, j * bk
+    # Global positions (= local ones without offsets): the one mask definition sees those.
+    q_start, k_start, q_len, kv_len = global_starts(offsets_ref, i * bq, j * bk, q_len, kv_len)
     run = jnp.logical_and(
         masks.block_maybe_visible(q_start, q_start + bq, k_start, k_start + bk,
                                   is_causal=cfg.is_causal, window=cfg.window),
@@ -394,7 +415,8 @@ def _cost_estimate(cfg: ForwardConfig, gs: ForwardGridSpec) -> Any:
     """
     visible = blk.num_visible_blocks(cfg.num_q_blocks, cfg.num_kv_blocks, q_len=cfg.q_len_p,
                                      kv_len=cfg.kv_len, block_q=cfg.block_q, block_k=cfg.block_k,
-                                     is_causal=cfg.is_causal, window=cfg.window)
+                                     is_causal=cfg.is_causal and not cfg.has_offsets,
+                                     window=None if cfg.has_offsets else cfg.window)
     bh = cfg.batch * cfg.num_heads
     pairs = bh * visible
     tile = cfg.block_q * cfg.block_k
@@ -466,9 +488,15 @@ def _prepare(cfg: ForwardConfig, query, key, value, spec: AttentionSpec):
         ops.append(jnp.broadcast_to(qs[:, :, None], (cfg.batch, Tp, blk.LANES)))
         ops.append(jnp.broadcast_to(ks[:, None, :], (cfg.batch, blk.SUBLANES, Sp)))
     full = lambda n: jnp.full((cfg.batch,), n, jnp.int32)  # noqa: E731
-    q_lengths = full(cfg.q_len) if spec.q_lengths is None else spec.q_lengths.astype(jnp.int32)
-    kv_lengths = full(cfg.kv_len) if spec.kv_lengths is None else spec.kv_lengths.astype(jnp.int32)
+    q_lengths, kv_lengths = spec.local_lengths()        # with offsets: global -> this block's
+    q_lengths = full(cfg.q_len) if q_lengths is None else q_lengths.astype(jnp.int32)
+    kv_lengths = full(cfg.kv_len) if kv_lengths is None else kv_lengths.astype(jnp.int32)
     return q_lengths, kv_lengths, ops
+
+
+def offset_operands(cfg: ForwardConfig, spec: AttentionSpec) -> list:
+    """``[offsets [2] int32]`` (the third scalar-prefetch operand) with offsets, else ``[]``."""
+    return [jnp.stack(spec.offsets()).astype(jnp.int32)] if cfg.has_offsets else []
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "interpret"))
@@ -476,7 +504,8 @@ def _forward(query, key, value, spec, *, cfg: ForwardConfig, interpret):
     q_lengths, kv_lengths, ops = _prepare(cfg, query, key, value, spec)
     if cfg.has_sinks:            # forward only: the backward kernels never read the sink
         ops.append(sinks_operand(spec.sinks))
-    outs = _pallas_forward(cfg, interpret, q_lengths, kv_lengths, *ops)
+    outs = _pallas_forward(cfg, interpret, q_lengths, kv_lengths,
+                           *offset_operands(cfg, spec), *ops)
     o = jnp.swapaxes(outs[0][:, :, :cfg.q_len, :cfg.head_dim_v], 1, 2)   # [B, T, N, d_v]
     lse = outs[1][:, :, :cfg.q_len, 0] if cfg.return_lse else None      # [B, N, T]
     return o, lse

@@ -57,9 +57,15 @@ def draw_ring_step(ax_ring, ax_mat, num_devices: int, layout: str, step: int, *,
         ax_ring.text(x[i], y[i], f"D{i}", ha="center", va="center", fontsize=7, color="w",
                      zorder=4, weight="bold")
         src = sched[step, i]
-        ax_ring.text(x[i] * 1.42, y[i] * 1.42, f"KV{src}", ha="center", va="center",
-                     fontsize=7, color=cols[src])
-    ax_ring.set_xlim(-1.8, 1.8)
+        # Labels point away from the ring (left of a left device, right of a right one), so
+        # neither the device's marker nor the axes' edge cuts them.
+        # Offset in points beyond the marker's radius, so no marker overlaps it at any size.
+        ha = "right" if x[i] < -0.1 else "left" if x[i] > 0.1 else "center"
+        va = "top" if y[i] < -0.1 else "bottom" if y[i] > 0.1 else "center"
+        ax_ring.annotate(f"KV{src}", (x[i], y[i]), xytext=(12 * x[i], 12 * y[i]),
+                         textcoords="offset points", ha=ha, va=va, fontsize=7,
+                         color=cols[src], zorder=4, annotation_clip=False)
+    ax_ring.set_xlim(-2.0, 2.0)
     ax_ring.set_ylim(-1.8, 1.8)
     ax_ring.set_aspect("equal")
     ax_ring.axis("off")
