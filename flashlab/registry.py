@@ -30,15 +30,16 @@ ALL_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})
 PLATFORMS = ("cpu", "gpu", "tpu")
 
 # On CPU `auto` switches from XLA's fused-but-materializing attention to the tiled rung when
-# the score matrix per (batch, head) reaches this many entries (T*S). Measured with
-# `python -m flashlab bench tiled` (fp32, batch 1, 8 heads, d=64, fresh process per config) on a
-# shared 2-core x86 CPU: xla vs tiled forward = N=512: 21.5 vs 27.0 ms; N=1024: 293 vs 120 ms;
-# N=2048: 484 vs 196 ms; N=4096: 1658 vs 831 ms. Below 1024*1024 XLA's single fused softmax
-# wins; from there on the T*S score matrix costs more than tiling. Later quiet runs at N=512:
-# 11.9 vs 12.6 ms (heads batched in one tile), 13.0 vs 7.8 ms (one head per tile, a faster
-# EPYC), 8.5 vs 5.6 ms (one head per tile, an AVX-512 Xeon). The threshold stays at 1024*1024,
-# where tiling has won in every run.
-CPU_TILED_MIN_SCORES = 1024 * 1024
+# the score matrix per (batch, head) reaches this many entries (T*S). Re-measured 2026-12-03
+# (fp32, batch 1, 8 heads, d=64, default blocks; one process per run, xla and tiled calls
+# alternating, medians of 17-41 calls; a shared 2-core x86 CPU, load average 6-9), xla / tiled
+# forward time, two runs: N=32: 0.84x; N=64: 0.95x, 0.91x; N=128: 1.01x, 1.19x; N=192: 0.92x,
+# 1.30x; N=256: 1.03x, 1.49x; N=320: 1.32x; N=384: 1.96x, 1.72x; N=512: 4.73x, 3.10x;
+# N=1024: 6.18x. Forward + backward: N=128: 1.01x; N=256: 1.44x; N=512: 1.43x. XLA wins only
+# below N=128 (by 5-16%), the two tie around 128-192, and tiled wins from N=256 on in every
+# run. (The previous threshold, 1024*1024, came from fresh-process runs whose N=512 point
+# favoured XLA once; the alternating runs above and chapter 03's table never did.)
+CPU_TILED_MIN_SCORES = 256 * 256
 
 
 @dataclasses.dataclass(frozen=True)

@@ -189,8 +189,11 @@ def tiled_hbm_bytes(*, batch: int, heads: int, q_len: int, kv_len: int, head_dim
     """Memory traffic of the tiled forward when only tiles fit in fast memory.
 
     Each query block ``Q_i`` (and its output ``O_i``) is read/written once; every key/value
-    block is re-read once per query block: ``T_r = ceil(N / B_r)`` passes over K and V. No
-    N×M term. (The full model with backward and kernels lives in ``flashlab.traffic``.)
+    block is re-read once per query block: ``T_r = ceil(N / B_r)`` passes over K and V, so the
+    K/V term is ``2·N·M·d/B_r`` elements per head: still quadratic, but ``B_r/d`` times smaller
+    than writing and reading the ``N×M`` score matrix once (``2·N·M``), which standard
+    attention does several times.
+    (The full model with backward and kernels lives in ``flashlab.traffic``.)
     Returns bytes per term and ``"total"``.
     """
     kvh = heads if kv_heads is None else kv_heads

@@ -95,6 +95,7 @@ def long_document_figure(results: Sequence[Mapping]):
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6.5, 3.6), dpi=90)
     cap = max(r["cap_bytes"] for r in results) / 2**30
+    top = cap * 1.15          # the y axis; a failed allocation taller than that is cut off
     labels = []
     for i, r in enumerate(results):
         label = f"{r['backend']}\nN={r['seq_len']}"
@@ -110,13 +111,18 @@ def long_document_figure(results: Sequence[Mapping]):
         if want is not None:
             w = want / 2**30
             ax.bar(i, w, bottom=h, color="white", edgecolor="C3", hatch="//")
-            ax.text(i, h + w, f"failed: +{w:.2f} GiB", ha="center", va="bottom", fontsize=8,
-                    color="C3")
+            # Inside the axes: above the hatched bar, or under the top edge when the bar is
+            # cut off there (labelled so), never up over the title.
+            cut = h + w > top * 0.9
+            ax.text(i, top * 0.97 if cut else h + w,
+                    f"failed: +{w:.2f} GiB" + ("\n(bar cut off)" if cut else ""),
+                    ha="center", va="top" if cut else "bottom", fontsize=8, color="C3",
+                    bbox=dict(facecolor="white", edgecolor="none", pad=1) if cut else None)
         else:
             ax.text(i, h, "failed", ha="center", va="bottom", fontsize=8, color="C3")
     ax.axhline(cap, color="k", lw=1, ls="--", label=f"cap (RLIMIT_AS, address space) {cap:.1f} GiB")
     ax.set_xticks(range(len(labels)), labels, fontsize=8)
-    ax.set_ylim(0, cap * 1.15)
+    ax.set_ylim(0, top)
     ax.set_ylabel("peak RSS of the process (GiB)")
     ax.set_title("One forward of the document model, one long document")
     ax.legend(fontsize=8, loc="upper left")

@@ -85,7 +85,8 @@ def traffic_vs_block_size_figure(block_sizes: Sequence[int] = (128, 256, 512, 10
     """Replayed kernel bytes (per (batch, head), causal and not) against B_r, with VMEM use.
 
     K and V are read once per query block, so traffic falls as ``1/B_r`` towards the Q, K,
-    V, O floor while the pipeline's VMEM grows linearly; the chip's VMEM is drawn dashed.
+    V, O floor while the pipeline's VMEM grows linearly; the chip's physical VMEM (one
+    TensorCore) is drawn dashed, the compiler's default scoped limit dotted.
     """
     plt = _plt()
     bs = [b for b in block_sizes if b <= seq_len]
@@ -111,8 +112,10 @@ def traffic_vs_block_size_figure(block_sizes: Sequence[int] = (128, 256, 512, 10
     a1.set_title(f"traffic, N = {seq_len}, B_c = {block_k}")
     a1.legend(fontsize=7)
     a2.loglog(bs, np.asarray(vmem) / 2**20, "o-", color="tab:green")
-    a2.axhline(roofline.chip(chip).vmem_bytes / 2**20, color="tab:red", ls="--",
-               label=f"{chip} VMEM")
+    c = roofline.chip(chip)
+    a2.axhline(c.vmem_bytes / 2**20, color="tab:red", ls="--", label=f"{chip} VMEM (physical)")
+    a2.axhline(c.scoped_vmem_bytes / 2**20, color="tab:orange", ls=":",
+               label=f"{chip} default scoped limit")
     a2.set_xticks(bs, [str(b) for b in bs])
     a2.xaxis.set_minor_formatter(plt.NullFormatter())
     a2.set_xlabel("block_q (B_r)")
@@ -246,7 +249,8 @@ def explorer_figure(*, seq_len: int = 4096, head_dim: int = 128, block_q: int = 
     """What the traffic explorer shows for one setting: bytes per operand, VMEM, roofline.
 
     Left: replayed kernel bytes per operand beside the standard-attention model. Middle:
-    pipeline VMEM against the chip's. Right: the chip's roofline with the kernel's point.
+    pipeline VMEM against the chip's default scoped limit (dotted) and physical VMEM (dashed).
+    Right: the chip's roofline with the kernel's point.
     """
     plt = _plt()
     c = roofline.chip(chip)
@@ -271,10 +275,14 @@ def explorer_figure(*, seq_len: int = 4096, head_dim: int = 128, block_q: int = 
     a1.set_yscale("log")
     a1.set_ylabel("MiB")
     a1.set_title(f"HBM traffic: {r['total']['bytes'] / 2**20:.1f} MiB", fontsize=9)
-    a2.bar(["VMEM"], [vmem / 2**20], color="tab:green" if vmem < c.vmem_bytes else "tab:red")
+    scoped = c.scoped_vmem_bytes or c.vmem_bytes
+    a2.bar(["VMEM"], [vmem / 2**20], color="tab:green" if vmem <= scoped else
+           "tab:orange" if vmem <= c.vmem_bytes else "tab:red")
     a2.axhline(c.vmem_bytes / 2**20, color="tab:red", ls="--")
+    a2.axhline(scoped / 2**20, color="tab:orange", ls=":")
     a2.set_ylabel("MiB")
-    a2.set_title(f"{vmem / 2**20:.1f} of {c.vmem_bytes / 2**20:.0f} MiB", fontsize=9)
+    a2.set_title(f"{vmem / 2**20:.1f} MiB; limit {scoped / 2**20:.0f},\n"
+                 f"VMEM {c.vmem_bytes / 2**20:.0f}", fontsize=9)
     x = np.geomspace(1, 1e4, 100)
     peak = c.peak_flops(dtype)
     a3.loglog(x, np.minimum(peak, x * c.hbm_bytes_per_s), "k-", lw=1)
