@@ -302,6 +302,10 @@ def jax_pallas_flash_fn(query, key, value, spec, *, interpret=None):
     return zero_invisible_rows(out, spec, mask)
 
 
+def _vmap_map(f, *xs):
+    return jax.vmap(f)(*xs)
+
+
 def _python_map(f, *xs):
     return jnp.stack([f(*(x[i] for x in xs)) for i in range(xs[0].shape[0])])
 
@@ -349,7 +353,7 @@ def splash_fn(query, key, value, spec, *, interpret=None):
 
     # Compiled: vmap over rows. TPU interpret mode in jax 0.10 mis-handles the grid axis vmap
     # adds to a pallas_call, so interpreted runs loop in Python (tiny shapes only anyway).
-    _map = jax.vmap if params is None else _python_map
+    _map = _vmap_map if params is None else _python_map
 
     def run(q, k, v, seg):
         # Over batch rows for MHA, over (batch, kv head) pairs for GQA/MQA.

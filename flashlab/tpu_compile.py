@@ -7,6 +7,7 @@ TPU backend and Mosaic, the compiler of Pallas TPU kernels). libtpu compiles wit
 whole TPU compile. Nothing runs: the result is the compiler's verdict (accepted, or its own
 error message such as a VMEM allocation report), its memory analysis and its cost analysis.
 
+>>> import jax, jax.numpy as jnp, flashlab
 >>> from flashlab import tpu_compile
 >>> q = jax.ShapeDtypeStruct((1, 2048, 8, 128), jnp.bfloat16)
 >>> tpu_compile.compile(flashlab.flash_attention, q, q, q, chip="v5p", is_causal=True,
@@ -16,7 +17,7 @@ True
 While it compiles, :func:`flashlab.device.target_chip` returns ``chip``, so flashlab's kernels
 size their blocks and ``vmem_limit_bytes`` for the target, not for this host.
 
-libtpu at start-up on a machine without a TPU (measured with libtpu 0.0.42 and 0.0.50): it
+libtpu at start-up on a machine without a TPU (traced with strace, libtpu 0.0.42): it
 finds no chip and asks no metadata server when ``TPU_SKIP_MDS_QUERY=1`` (JAX sets it itself
 when it sees no TPU chip; we set it too, before libtpu loads), prints warnings about the
 unknown accelerator type and worker hostnames to stderr (we capture them and show them only

@@ -6,8 +6,9 @@ error. Each flashlab case is ONE program holding the forward kernel (inference: 
 ``jax.grad`` through it (the forward with lse, the dK/dV kernel and the dQ kernel), so one
 compile covers all three kernels.
 
-Which combination runs where, and why (a full cross product, 5 chips x 26 options x 2 block
-choices, would take ~25 min; this matrix takes ~3 min on 2 cores):
+Which combination runs where, and why (each program costs ~7 s of CPU to compile: a full cross
+product, 5 chips x 26 options x 2 block choices, would take ~15 min on 2 cores; these 50
+programs took 354 s of CPU, ~3 min on 2 cores):
 
 * ``BASE`` on every chip, at the default blocks and at the largest blocks flashlab's VMEM
   check accepts (:func:`largest_blocks`): causal bf16, d = 128, T = S = 2048. This is the
