@@ -15,11 +15,11 @@ kernels and block sizes; calibrate them on a real TPU when one is available.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 from . import tpu_dump
@@ -176,7 +176,7 @@ def _row(k: tpu_dump.KernelDump, blocks, *, chip, library, mode, batch, seq_len,
 
 def measure(*, chips, libraries=LIBRARIES, modes=("default", "equal"), block=512, batch=2,
             seq_len=8192, heads=16, head_dim=128, dtype="bfloat16", causal=True,
-            kernels=tuple(MATMULS), timeline_chip=None, timeout=900, progress=True,
+            kernels=tuple(MATMULS), timeline_chip=None, timeout=1800, progress=True,
             jobs_in_parallel=1):
     """Compile and read every (chip, library, block mode); returns ``(rows, versions)``.
 
@@ -277,7 +277,7 @@ def header(versions: dict, args: dict) -> str:
         "calibrate on a real TPU when one is available.",
         "est = steps x step + visible tiles x tile + rows x (init + finalize) + prologue; floor =",
         "matmul FLOPs / bf16 peak; occ = static MXU occupancy of one tile.",
-    ])
+    ] + (textwrap.wrap(f"Note: {args['note']}", 92) if args.get("note") else []))
 
 
 def table(rows) -> str:
@@ -352,8 +352,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--head-dim", type=_positive("--head-dim"), default=128)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--timeout", type=_positive("--timeout"), default=900,
-                   help="seconds per compile (default 900)")
+    p.add_argument("--timeout", type=_positive("--timeout"), default=1800,
+                   help="seconds per compile (default 1800: a loaded 2-core machine needs it)")
     p.add_argument("--json", metavar="PATH", help="write the rows and header as JSON")
     p.add_argument("--plot", metavar="PATH", help="save a figure of the estimates (png/svg)")
     p.add_argument("--timeline-chip", choices=list(CHIPS),
@@ -393,7 +393,8 @@ def main(argv=None) -> int:
         print(f"\nwrote {a.json}")
     if a.plot:
         from .viz.tpu_schedule import static_estimates_figure
-        static_estimates_figure(rows, versions=versions).savefig(a.plot, bbox_inches="tight", dpi=120)
+        fig = static_estimates_figure(rows, versions=versions)
+        fig.savefig(a.plot, bbox_inches="tight", dpi=120)
         print(f"wrote {a.plot}")
     return 0
 

@@ -106,7 +106,8 @@ def _mosaic_dumps(d: Path) -> dict[str, Path]:
         stem = sa.name[: -len("-00-schedule-analysis_packed-bundles-post-ra.txt")]
         name = stem.split("-", 1)[1] if "-" in stem else stem
         # The dump of the kernel itself (not of a program that calls it) is named after it.
-        own = re.compile(r"%" + re.escape(name) + r" = [^\n]*custom_call_target=\"tpu_custom_call\"")
+        own = re.compile(r"%" + re.escape(name)
+                         + r" = [^\n]*custom_call_target=\"tpu_custom_call\"")
         if own.search(sa.read_text(errors="replace")):
             out[name] = sa.with_name(stem + "-01-packed-bundles-post-ra.txt")
     return out

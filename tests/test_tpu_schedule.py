@@ -67,7 +67,7 @@ def _write(tmp_path, packed_text, util_text):
 
 
 def _texts():
-    return gzip.decompress(PACKED.read_bytes()).decode(), gzip.decompress(UTIL.read_bytes()).decode()
+    return tuple(gzip.decompress(p.read_bytes()).decode() for p in (PACKED, UTIL))
 
 
 def test_mxu_table_disagreement_fails_loudly(tmp_path):
