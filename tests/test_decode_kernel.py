@@ -117,3 +117,12 @@ def test_parity_with_official_ragged_paged_attention():
         theirs = rpa.ref_ragged_paged_attention(*args, **opts)
     np.testing.assert_allclose(np.asarray(ours).reshape(B * T, -1, 128), np.asarray(theirs),
                                atol=2e-5, rtol=2e-5)
+
+
+def test_too_many_resident_rows_is_a_clear_error():
+    # a 2048-token chunk x G=8 keeps 16k rows per kv head resident: over any chip's VMEM budget
+    q, k, v, kw = decode_case(batch=1, new_tokens=2048, q_heads=16, kv_heads=2, head_dim=128,
+                              page_size=256, pages_per_seq=8, lengths=[2048])
+    with pytest.raises(ValueError, match=r"new_tokens: 2048 new tokens x 8 query heads .* "
+                                         r"smaller chunks"):
+        flashlab.decode_attention(q, k, v, **kw, backend="pallas_tpu")

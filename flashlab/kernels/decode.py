@@ -36,7 +36,7 @@ from .forward import ForwardGridSpec
 
 __all__ = ["DecodeConfig", "DecodeGridSpec", "make_decode_config", "decode_grid_spec",
            "pallas_decode", "decode_call", "choose_num_splits", "SPLIT_MIN_POSITIONS",
-           "decode_step_case", "official_paged_step_case"]
+           "decode_step_case", "official_paged_step_case", "decode_vmem_bytes"]
 
 # Flash-decoding: split the kv axis only when each split still walks at least this many
 # positions, and only until batch * splits reaches PARALLEL_TARGET independent grid rows
@@ -93,13 +93,34 @@ def make_decode_config(spec: DecodeSpec, page_size: int, pages_per_sequence: int
         raise ValueError(f"num_splits: expected an int >= 1, got {num_splits!r}")
     num_splits = int(min(num_splits, pages_per_sequence))
     rows = blk.round_up(spec.new_tokens * spec.group_size, blk.SUBLANES)
-    return DecodeConfig(
+    cfg = DecodeConfig(
         batch=spec.batch, num_kv_heads=spec.num_kv_heads, group_size=spec.group_size,
         new_tokens=spec.new_tokens, rows=rows, head_dim=spec.head_dim,
         head_dim_v=spec.head_dim_v, page_size=page_size, num_pages=num_pages,
         pages_per_sequence=pages_per_sequence, num_splits=num_splits,
         pages_per_split=-(-pages_per_sequence // num_splits), dtype=jnp.dtype(spec.dtype),
         scale=spec.scale, window=spec.window, soft_cap=spec.soft_cap)
+    need, budget = decode_vmem_bytes(cfg), blk.vmem_budget_bytes()
+    if need > budget:
+        raise ValueError(
+            f"new_tokens: {spec.new_tokens} new tokens x {spec.group_size} query heads per kv "
+            f"head x {spec.num_kv_heads} kv heads need ~{need / 2**20:.1f} MiB of VMEM in the "
+            f"decode kernel (all rows stay resident), over the {budget / 2**20:.0f} MiB budget "
+            f"of {blk.resolve_chip()}; feed the prefill in smaller chunks")
+    return cfg
+
+
+def decode_vmem_bytes(cfg: DecodeConfig) -> int:
+    """VMEM the kernel plans: double-buffered q, K/V pages and state blocks, plus the scratch
+    state (``(K, D)`` tiles padded to whole sublanes and lanes)."""
+    it = cfg.dtype.itemsize
+    sub = blk.SUBLANES * max(1, 4 // it)
+    lanes = lambda d: blk.round_up(d, blk.LANES)  # noqa: E731
+    K, R, ps = cfg.num_kv_heads, cfg.rows, cfg.page_size
+    q = K * R * lanes(cfg.head_dim) * it
+    pages = ps * blk.round_up(K, sub) * (lanes(cfg.head_dim) + lanes(cfg.head_dim_v)) * it
+    state = K * R * (2 * blk.LANES + lanes(cfg.head_dim_v)) * 4
+    return 2 * (q + pages + state) + state
 
 
 def _div(a, b: int):
@@ -247,7 +268,9 @@ def decode_call(cfg: DecodeConfig, interpret=False):
         functools.partial(_decode_kernel, cfg=cfg),
         grid_spec=gs.pallas_grid_spec(),
         out_shape=list(gs.out_shapes),
-        compiler_params=compat.CompilerParams(dimension_semantics=gs.dimension_semantics),
+        compiler_params=compat.CompilerParams(dimension_semantics=gs.dimension_semantics,
+                                              **({"vmem_limit_bytes": blk.vmem_limit_bytes()}
+                                                 if interpret is False else {})),
         cost_estimate=_cost_estimate(cfg),
         interpret=interpret,
         name="flashlab_decode",
