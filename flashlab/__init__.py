@@ -10,6 +10,7 @@ from . import comm_model, distributed, ring_layout
 from . import kernels, roofline, tiled, traffic
 from . import conformance, leaks, profiling
 from . import decode, decode_validate, kv_cache
+from . import tpu_compile
 from .api import as_flax_attention_fn, attention, explain
 from .decode import decode_attention
 from .kv_cache import KVCache
@@ -43,6 +44,7 @@ __all__ = [
     # modules
     "device", "masks", "online_softmax", "reference", "registry", "api", "adapters",
     "distributed", "ring_layout", "comm_model", "kernels", "traffic", "roofline", "tiled", "conformance", "leaks", "profiling",
+    "tpu_compile",
     # chapter 11: a document model that reuses the kernel (needs flax; imported on first use)
     "models",
 ]

@@ -55,13 +55,11 @@ def row_positions(spec: DecodeSpec):
 
 
 def sink_state(spec: DecodeSpec, head_dim_v: int) -> online_softmax.State:
-    """The sinks as an online-softmax state over folded rows ``[B, K, T*G]``: ``m = s_h``,
-    ``l = 1`` (``exp(s_h - m)`` at ``m = s_h``), ``acc = 0`` (a sink takes no value)."""
+    """The sinks over folded rows ``[B, K, T*G]`` as one more state
+    (:func:`flashlab.online_softmax.sink_state`: ``m = s_h, l = 1, acc = 0``)."""
     B, K, G, T = spec.batch, spec.num_kv_heads, spec.group_size, spec.new_tokens
     s = jnp.tile(spec.sinks.reshape(K, 1, G), (1, T, 1)).reshape(K, T * G)
-    m = jnp.broadcast_to(s, (B, K, T * G))
-    return online_softmax.State(m, jnp.ones_like(m), jnp.zeros((B, K, T * G, head_dim_v),
-                                                               jnp.float32))
+    return online_softmax.sink_state(jnp.broadcast_to(s, (B, K, T * G)), head_dim_v)
 
 
 def gather_pages(cache, spec: DecodeSpec):
@@ -256,8 +254,13 @@ _DECODE_PREFERENCE = {"tpu": ("pallas_tpu", "tiled", "reference"),
 
 def choose_decode(spec: DecodeSpec, backend: str = "auto", *, interpret=None,
                   platform: str | None = None) -> Choice:
-    """Pick the decode backend for ``spec`` (``"auto"`` or a name) and say why."""
-    platform = device.platform() if platform is None else platform
+    """Pick the decode backend for ``spec`` (``"auto"`` or a name) and say why.
+
+    The platform is the compile target's while :func:`flashlab.tpu_compile.compile` builds
+    for a TPU (:func:`flashlab.device.target_chip`), else this host's.
+    """
+    if platform is None:
+        platform = "tpu" if device.target_chip() is not None else device.platform()
     if backend != "auto":
         if not isinstance(backend, str) or backend not in _DECODE_REGISTRY:
             raise ValueError(f"backend: expected 'auto' or one of {list(_DECODE_REGISTRY)}, "

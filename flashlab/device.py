@@ -7,6 +7,8 @@ races, ~30x slower) when a test asks for it.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import os
 import platform as _platform
@@ -14,7 +16,7 @@ import platform as _platform
 import jax
 
 __all__ = ["platform", "interpret_mode", "tpu_interpret_params", "ProblemSizes",
-           "problem_sizes", "describe", "in_colab"]
+           "problem_sizes", "describe", "in_colab", "target_chip", "compile_target"]
 
 
 def platform() -> str:
@@ -39,6 +41,47 @@ def tpu_interpret_params(*, detect_races: bool = True, uninitialized_memory: str
     from .kernels._pallas_compat import InterpretParams
     return InterpretParams(detect_races=detect_races,
                                  uninitialized_memory=uninitialized_memory, **kw)
+
+
+_TARGET = contextvars.ContextVar("flashlab_compile_target", default=None)
+
+
+@contextlib.contextmanager
+def compile_target(chip: str | None):
+    """Inside this block the kernels size their blocks and VMEM limit for ``chip``.
+
+    :func:`flashlab.tpu_compile.compile` enters it with the generation of the devices it
+    compiles for; ``None`` leaves the current target unchanged.
+    """
+    token = _TARGET.set(chip) if chip is not None else None
+    try:
+        yield chip
+    finally:
+        if token is not None:
+            _TARGET.reset(token)
+
+
+def _mesh_chip() -> str | None:
+    """The TPU generation of the (abstract) mesh being traced under, if it carries one."""
+    from .kernels.blocks import chip_from_device_kind
+    try:
+        dev = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    except Exception:  # pragma: no cover - JAX without abstract meshes
+        return None
+    kind = getattr(dev, "device_kind", None)
+    return chip_from_device_kind(kind) if kind and getattr(dev, "platform", "tpu") == "tpu" else None
+
+
+def target_chip() -> str | None:
+    """The TPU generation the kernels are being built for, or ``None`` (then: ``v5e``).
+
+    First wins: a :func:`compile_target` block (what :func:`flashlab.tpu_compile.compile`
+    sets from the devices it compiles for); the TPU devices of the mesh being traced under
+    (``jax.sharding.use_mesh`` / ``jax.set_mesh``); this host's TPU. An explicit ``chip=``
+    given to a kernel wins over all of them (:func:`flashlab.kernels.blocks.resolve_chip`).
+    """
+    from .kernels.blocks import detect_chip
+    return _TARGET.get() or _mesh_chip() or detect_chip()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -40,17 +40,14 @@ def decode_case(seed=0, *, batch=3, new_tokens=1, q_heads=4, kv_heads=2, head_di
 
 # (name, decode_case kwargs, decode_attention extra kwargs): the feature grid every backend runs.
 CASES = [
-    ("decode_gqa_paged", dict(), {}),
-    ("decode_mha_contig", dict(q_heads=2, kv_heads=2, paged=False), {}),
-    ("decode_mqa_paged", dict(q_heads=4, kv_heads=1), {}),
-    ("ragged_with_empty", dict(lengths=[0, 5, 32]), {}),
-    ("chunked_prefill", dict(new_tokens=4, lengths=[4, 17, 30]), {}),
-    ("chunked_window", dict(new_tokens=3, lengths=[3, 20, 32], paged=False),
+    ("gqa_paged_ragged_empty", dict(lengths=[0, 5, 32]), {}),
+    ("mha_contig_value_dim", dict(q_heads=2, kv_heads=2, paged=False, head_dim_v=8), {}),
+    ("mqa_paged_chunked", dict(q_heads=4, kv_heads=1, new_tokens=4, lengths=[4, 17, 30]), {}),
+    ("chunked_window_contig", dict(new_tokens=3, lengths=[3, 20, 32], paged=False),
      dict(local_window_size=5)),
-    ("window_paged", dict(lengths=[1, 9, 31]), dict(local_window_size=(7, 0))),
-    ("soft_cap", dict(), dict(logits_soft_cap=2.0)),
-    ("sinks", dict(sinks=True, lengths=[0, 3, 30]), {}),
-    ("sinks_chunked_window", dict(sinks=True, new_tokens=2, q_heads=6, kv_heads=3),
+    ("window_pair_soft_cap", dict(lengths=[1, 9, 31]),
+     dict(local_window_size=(7, 0), logits_soft_cap=2.0)),
+    ("sinks_with_empty", dict(sinks=True, lengths=[0, 3, 30]), {}),
+    ("sinks_chunked_window_cap", dict(sinks=True, new_tokens=2, q_heads=6, kv_heads=3),
      dict(local_window_size=4, logits_soft_cap=3.0)),
-    ("value_dim", dict(head_dim_v=8, paged=False), {}),
 ]

@@ -1,4 +1,6 @@
 """decode_attention: every decode backend against the float64 NumPy oracle, and validation."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -41,6 +43,10 @@ def test_auto_is_tiled_on_cpu_and_registry_declares_features():
     q, k, v, kw = decode_case()
     _, _, _, spec = flashlab.decode_validate.validate_decode(q, k, v, **kw)
     assert flashlab.decode.choose_decode(spec, platform="cpu").backend == "tiled"
+    assert flashlab.decode.choose_decode(spec, platform="tpu").backend == "pallas_tpu"
+    with pytest.raises(NotImplementedError, match="does not support dtype float64"):
+        flashlab.decode.choose_decode(dataclasses.replace(spec, dtype=jnp.dtype("float64")),
+                                      "pallas_tpu", platform="cpu")
     assert spec.features() == {"paged", "gqa"}
 
 

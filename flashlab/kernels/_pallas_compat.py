@@ -101,6 +101,21 @@ def official_splash_attention():
     return importlib.import_module(OFFICIAL_SPLASH_MODULE)
 
 
+OFFICIAL_PAGED_MODULE = "jax.experimental.pallas.ops.tpu.paged_attention"
+OFFICIAL_RAGGED_PAGED_MODULE = "jax.experimental.pallas.ops.tpu.ragged_paged_attention"
+
+
+def official_paged_attention():
+    """The official paged-attention decode kernel module (``paged_attention``)."""
+    return importlib.import_module(OFFICIAL_PAGED_MODULE)
+
+
+def official_ragged_paged_attention():
+    """The official ragged paged attention module (``ragged_paged_attention``, mixed
+    prefill and decode, K and V interleaved on the heads axis of one page pool)."""
+    return importlib.import_module(OFFICIAL_RAGGED_PAGED_MODULE)
+
+
 def versions() -> dict:
     """The installed ``jax``/``jaxlib`` versions and which moved names this module resolved."""
     import jax

@@ -54,8 +54,10 @@ def make_backward_config(spec: AttentionSpec, *, block_q=None, block_k=None,
 
     Explicit ``block_q``/``block_k`` (the ones given to ``flash_attention``) are used when they
     fit :func:`blocks.backward_vmem_bytes`; missing or too large ones come from
-    :func:`blocks.choose_backward_block_sizes` for ``chip``.
+    :func:`blocks.choose_backward_block_sizes` for ``chip`` (``None``: the compile target,
+    :func:`blocks.resolve_chip`).
     """
+    chip = blk.resolve_chip(chip)
     dt = jnp.dtype(spec.dtype)
     bias_dtype = None
     if spec.bias is not None:
@@ -318,8 +320,7 @@ def _cost_estimate(gs: BackwardGridSpec, kernel: str) -> Any:
 def _call(gs: BackwardGridSpec, kernel_fn, kernel: str, interpret, q_lengths, kv_lengths, ops):
     kwargs = {}
     if interpret is False:
-        kwargs["vmem_limit_bytes"] = int(min(blk.vmem_capacity_bytes() * 3 // 4,
-                                             2 * blk.vmem_budget_bytes()))
+        kwargs["vmem_limit_bytes"] = blk.vmem_limit_bytes(gs.config.chip)
     kw = {"has_ds": "ds" in gs.out_names} if kernel == "dq" else {}
     return pl.pallas_call(
         functools.partial(kernel_fn, cfg=gs.config, names=gs.in_names, **kw),
@@ -373,7 +374,7 @@ def _backward(query, key, value, spec, out, lse, d_out, *, cfg: ForwardConfig, i
 
 
 def flash_attention_backward(query, key, value, spec: AttentionSpec, out, lse, d_out, *,
-                             block_q=None, block_k=None, interpret=None):
+                             block_q=None, block_k=None, interpret=None, chip=None):
     """The backward kernels on validated inputs: ``(dq, dk, dv, dbias | None)``.
 
     ``out [B, T, N, d_v]`` and ``lse [B, N, T]`` float32 come from
@@ -381,6 +382,6 @@ def flash_attention_backward(query, key, value, spec: AttentionSpec, out, lse, d
     gradients in the public layout and the inputs' dtypes; ``dbias`` has the bias's shape
     (summed over its broadcast dims) or is ``None`` without a bias.
     """
-    cfg = make_backward_config(spec, block_q=block_q, block_k=block_k)
+    cfg = make_backward_config(spec, block_q=block_q, block_k=block_k, chip=chip)
     return _backward(query, key, value, spec, out, lse, d_out, cfg=cfg,
                      interpret=fwd._resolve_interpret(interpret))

@@ -27,7 +27,8 @@ from . import _pallas_compat as compat
 
 __all__ = ["LANES", "SUBLANES", "VMEM_BYTES", "sublane_tile", "round_up", "lane_pad",
            "vmem_capacity_bytes", "vmem_budget_bytes", "vmem_bytes", "choose_block_sizes",
-           "check_block_sizes", "kv_block_range", "detect_chip"]
+           "check_block_sizes", "kv_block_range", "detect_chip", "chip_from_device_kind",
+           "resolve_chip", "vmem_limit_bytes"]
 
 LANES = 128
 SUBLANES = 8
@@ -54,13 +55,9 @@ def sublane_tile(dtype) -> int:
     return SUBLANES * max(1, 4 // jnp.dtype(dtype).itemsize)
 
 
-def detect_chip() -> str | None:
-    """The TPU generation name (``"v5e"``...) of the default device, or ``None`` off-TPU."""
-    import jax
-    dev = jax.devices()[0]
-    if dev.platform != "tpu":
-        return None
-    kind = dev.device_kind.lower()
+def chip_from_device_kind(kind: str) -> str | None:
+    """The generation name of a ``device_kind`` ("TPU v5 lite" -> ``"v5e"``), ``None`` if unknown."""
+    kind = kind.lower()
     for name, pat in (("v5e", "v5 lite"), ("v5e", "v5e"), ("v6e", "v6"), ("v5p", "v5"),
                       ("v4i", "v4 lite"), ("v4", "v4"), ("v3", "v3"), ("v2", "v2"), ("7x", "7")):
         if pat in kind:
@@ -68,12 +65,34 @@ def detect_chip() -> str | None:
     return None
 
 
-def vmem_capacity_bytes(chip: str | None = None) -> int:
-    """VMEM bytes of one TensorCore of ``chip`` (default: this device, else ``v5e``)."""
-    chip = chip or detect_chip() or DEFAULT_CHIP
-    chip = str(chip).lower().removeprefix("tpu").removeprefix("_").strip() or DEFAULT_CHIP
-    if chip not in VMEM_BYTES:
+def detect_chip() -> str | None:
+    """The TPU generation name (``"v5e"``...) of the default device, or ``None`` off-TPU."""
+    import jax
+    dev = jax.devices()[0]
+    if dev.platform != "tpu":
+        return None
+    return chip_from_device_kind(dev.device_kind)
+
+
+def resolve_chip(chip: str | None = None) -> str:
+    """The TPU generation the kernels are built for: ``chip`` if given, else the compile target.
+
+    Order (first wins): an explicit ``chip`` ("v4", "v5e", "v5p", "v6e", "7x"...); the chip
+    being compiled for (:func:`flashlab.device.target_chip`: a :func:`flashlab.tpu_compile`
+    target, or the TPU devices of the mesh being traced under); this host's TPU; ``v5e``.
+    """
+    if chip is None:
+        from .. import device
+        chip = device.target_chip() or DEFAULT_CHIP
+    name = str(chip).lower().removeprefix("tpu").removeprefix("_").strip() or DEFAULT_CHIP
+    if name not in VMEM_BYTES:
         raise ValueError(f"chip: expected one of {sorted(VMEM_BYTES)}, got {chip!r}")
+    return name
+
+
+def vmem_capacity_bytes(chip: str | None = None) -> int:
+    """VMEM bytes of one TensorCore of ``chip`` (default: :func:`resolve_chip`)."""
+    chip = resolve_chip(chip)
     if compat.get_tpu_info_for_chip is not None and compat.ChipVersion is not None:
         try:
             info = compat.get_tpu_info_for_chip(compat.ChipVersion(chip), 1)
@@ -91,6 +110,16 @@ def vmem_budget_bytes(chip: str | None = None) -> int:
     (``vmem_limit_bytes``) rather than relying on the 16/32 MiB default scoped limit.
     """
     return min(vmem_capacity_bytes(chip) // 2, 48 << 20)
+
+
+def vmem_limit_bytes(chip: str | None = None) -> int:
+    """The scoped-VMEM limit a compiled kernel asks Mosaic for (``vmem_limit_bytes``).
+
+    Mosaic's *default scoped limit* is the VMEM a kernel may use unless it asks for more
+    (less than the chip's physical VMEM); flashlab asks for twice its planning budget, capped
+    at 3/4 of the physical VMEM: 12 MiB on v4, 96 MiB on v5e/v6e, 48 MiB on v5p/7x.
+    """
+    return int(min(vmem_capacity_bytes(chip) * 3 // 4, 2 * vmem_budget_bytes(chip)))
 
 
 def vmem_bytes(block_q: int, block_k: int, head_dim: int, dtype, *, head_dim_v: int | None = None,

@@ -32,9 +32,11 @@ from ..decode_validate import DecodeSpec
 from . import _pallas_compat as compat
 from . import blocks as blk
 from ._pallas_compat import pl
+from .forward import ForwardGridSpec
 
 __all__ = ["DecodeConfig", "DecodeGridSpec", "make_decode_config", "decode_grid_spec",
-           "pallas_decode", "decode_call", "choose_num_splits", "SPLIT_MIN_POSITIONS"]
+           "pallas_decode", "decode_call", "choose_num_splits", "SPLIT_MIN_POSITIONS",
+           "decode_step_case", "official_paged_step_case"]
 
 # Flash-decoding: split the kv axis only when each split still walks at least this many
 # positions, and only until batch * splits reaches PARALLEL_TARGET independent grid rows
@@ -125,39 +127,17 @@ def visible_pages(cfg: DecodeConfig, length):
 
 
 @dataclasses.dataclass(frozen=True)
-class DecodeGridSpec:
+class DecodeGridSpec(ForwardGridSpec):
     """The decode kernel's grid and BlockSpecs, exactly the objects ``pallas_call`` gets.
 
-    Every ``index_map`` is ``(b, s, i, lengths, page_table) -> block index`` and also runs on
-    ints and NumPy arrays, so :mod:`flashlab.traffic` replays it to count the bytes moved.
+    The forward kernel's container (:class:`flashlab.kernels.forward.ForwardGridSpec`) with
+    ``config`` a :class:`DecodeConfig` and grid ``(batch, splits, pages_per_split)``. Every
+    ``index_map`` is ``(b, s, i, lengths, page_table) -> block index`` and also runs on ints and
+    NumPy arrays, so :mod:`flashlab.traffic` replays it to count the bytes moved.
     ``page_table`` is flattened to ``[batch * table_width]`` (SMEM pads 2-D arrays).
     """
 
-    config: DecodeConfig
-    grid: tuple[int, ...]
-    in_names: tuple[str, ...]
-    in_specs: tuple[Any, ...]
-    in_shapes: tuple[jax.ShapeDtypeStruct, ...]
-    out_names: tuple[str, ...]
-    out_specs: tuple[Any, ...]
-    out_shapes: tuple[jax.ShapeDtypeStruct, ...]
-    scratch_shapes: tuple[Any, ...]
-    num_scalar_prefetch: int = 2
     dimension_semantics: tuple[str, ...] = ("parallel", "parallel", "arbitrary")
-
-    def pallas_grid_spec(self):
-        return compat.PrefetchScalarGridSpec(
-            num_scalar_prefetch=self.num_scalar_prefetch, grid=self.grid,
-            in_specs=list(self.in_specs), out_specs=list(self.out_specs),
-            scratch_shapes=list(self.scratch_shapes))
-
-    def spec(self, name: str):
-        names = self.in_names + self.out_names
-        return (self.in_specs + self.out_specs)[names.index(name)]
-
-    def shape(self, name: str) -> jax.ShapeDtypeStruct:
-        names = self.in_names + self.out_names
-        return (self.in_shapes + self.out_shapes)[names.index(name)]
 
 
 def decode_grid_spec(cfg: DecodeConfig) -> DecodeGridSpec:
@@ -312,3 +292,56 @@ def pallas_decode(query, k_cache, v_cache, spec: DecodeSpec, *, interpret=None,
     kp, vp, table, ps = paged_view(k_cache, v_cache, spec, block_k)
     cfg = make_decode_config(spec, ps, table.shape[1], kp.shape[0], num_splits=num_splits)
     return _decode(query, kp, vp, table, spec, cfg=cfg, interpret=_resolve_interpret(interpret))
+
+
+def decode_step_case(*, batch: int = 8, q_heads: int = 32, kv_heads: int = 4,
+                     head_dim: int = 128, page_size: int = 16, pages_per_sequence: int = 256,
+                     new_tokens: int = 1, dtype="bfloat16", window: int | None = None,
+                     soft_cap: float | None = None, sinks: bool = False):
+    """``(fn, args)``: one decode step through the compiled kernel, for the TPU compiler.
+
+    ``fn(query, k_pages, v_pages, cache_lengths, page_table[, sinks])`` is
+    :func:`flashlab.decode_attention` with ``backend="pallas_tpu", interpret=False`` (the
+    kernel plus the split-K merge); ``args`` are ``jax.ShapeDtypeStruct`` s of a paged cache
+    holding ``batch * pages_per_sequence`` pages. What ``tpu_compile.compile(fn, *args,
+    chip=...)`` and ``bench tpu-static`` lower.
+    """
+    from ..decode import decode_attention
+    dt = jnp.dtype(dtype)
+    sds = jax.ShapeDtypeStruct
+    pages = batch * pages_per_sequence
+    args = [sds((batch, new_tokens, q_heads, head_dim), dt),
+            sds((pages, page_size, kv_heads, head_dim), dt),
+            sds((pages, page_size, kv_heads, head_dim), dt),
+            sds((batch,), jnp.int32), sds((batch, pages_per_sequence), jnp.int32)]
+    if sinks:
+        args.append(sds((q_heads,), jnp.float32))
+
+    def fn(query, k_pages, v_pages, cache_lengths, page_table, sinks=None):
+        return decode_attention(query, k_pages, v_pages, cache_lengths=cache_lengths,
+                                page_table=page_table, local_window_size=window,
+                                logits_soft_cap=soft_cap, sinks=sinks, backend="pallas_tpu",
+                                interpret=False)
+    return fn, tuple(args)
+
+
+def official_paged_step_case(*, batch: int = 8, q_heads: int = 32, kv_heads: int = 4,
+                             head_dim: int = 128, page_size: int = 16,
+                             pages_per_sequence: int = 256, dtype="bfloat16",
+                             pages_per_compute_block: int = 8):
+    """``(fn, args)``: the same decode step through the official ``paged_attention`` kernel
+    (its layout: ``q [batch, q_heads, d]``, pages ``[kv_heads, num_pages, page_size, d]``), for
+    side-by-side compiles and static schedules with :func:`decode_step_case`."""
+    pa = compat.official_paged_attention()
+    dt = jnp.dtype(dtype)
+    sds = jax.ShapeDtypeStruct
+    pages = batch * pages_per_sequence
+    args = (sds((batch, q_heads, head_dim), dt),
+            sds((kv_heads, pages, page_size, head_dim), dt),
+            sds((kv_heads, pages, page_size, head_dim), dt),
+            sds((batch,), jnp.int32), sds((batch, pages_per_sequence), jnp.int32))
+
+    def fn(q, k_pages, v_pages, lengths, page_indices):
+        return pa.paged_attention(q, k_pages, v_pages, lengths, page_indices,
+                                  pages_per_compute_block=pages_per_compute_block)
+    return fn, args

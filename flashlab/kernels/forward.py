@@ -69,6 +69,7 @@ class ForwardConfig:
     mask_q_len: bool = False        # query_seq_lengths given: rows past it are masked
     mask_kv_len: bool = False       # kv lengths given or kv padding: keys past it are masked
     return_lse: bool = False
+    chip: str | None = None         # the TPU generation the blocks and VMEM limit are for
     has_sinks: bool = False         # sinks [Hq]: merged into each row's state at finalize
 
     @property
@@ -106,7 +107,12 @@ class ForwardConfig:
 
 def make_config(spec: AttentionSpec, *, block_q=None, block_k=None, return_lse=False,
                 chip=None) -> ForwardConfig:
-    """Build (and check) the kernel configuration for a validated request."""
+    """Build (and check) the kernel configuration for a validated request.
+
+    ``chip``: the TPU generation to size blocks and the VMEM limit for; ``None`` reads the
+    compile target (:func:`flashlab.kernels.blocks.resolve_chip`: explicit ``chip`` wins).
+    """
+    chip = blk.resolve_chip(chip)
     dt = jnp.dtype(spec.dtype)
     if dt not in SUPPORTED_DTYPES:
         raise TypeError(f"query: the Pallas TPU kernel supports float32 and bfloat16, got {dt}")
@@ -411,8 +417,7 @@ def _pallas_forward(cfg: ForwardConfig, interpret, q_lengths, kv_lengths, *opera
     kernel = functools.partial(_forward_kernel, cfg=cfg, names=gs.in_names)
     kwargs = {}
     if interpret is False:   # compiled: ask Mosaic for the VMEM the blocks were sized for
-        kwargs["vmem_limit_bytes"] = int(min(blk.vmem_capacity_bytes() * 3 // 4,
-                                             2 * blk.vmem_budget_bytes()))
+        kwargs["vmem_limit_bytes"] = blk.vmem_limit_bytes(cfg.chip)
     out = pl.pallas_call(
         kernel,
         grid_spec=gs.pallas_grid_spec(),
@@ -518,28 +523,28 @@ def _resolve_interpret(interpret):
 
 
 def flash_attention_from_spec(query, key, value, spec: AttentionSpec, *, block_q=None,
-                              block_k=None, interpret=None):
+                              block_k=None, interpret=None, chip=None):
     """The forward kernel on already validated inputs (what the backend registry calls)."""
     from .backward import make_backward_config
-    cfg = make_config(spec, block_q=block_q, block_k=block_k)
-    bwd_cfg = make_backward_config(spec, block_q=block_q, block_k=block_k)
+    cfg = make_config(spec, block_q=block_q, block_k=block_k, chip=chip)
+    bwd_cfg = make_backward_config(spec, block_q=block_q, block_k=block_k, chip=chip)
     return _attention(query, key, value, spec, cfg, bwd_cfg, _resolve_interpret(interpret))
 
 
 def flash_attention_forward(query, key, value, spec: AttentionSpec, *, block_q=None,
-                            block_k=None, interpret=None):
+                            block_k=None, interpret=None, chip=None):
     """Forward with residuals for a backward kernel: ``(out [B, T, N, d_v], lse [B, N, T])``.
 
     ``lse`` is float32, ``-inf`` on rows with no visible key. Not differentiable.
     """
-    cfg = make_config(spec, block_q=block_q, block_k=block_k, return_lse=True)
+    cfg = make_config(spec, block_q=block_q, block_k=block_k, return_lse=True, chip=chip)
     return _forward(query, key, value, spec, cfg=cfg, interpret=_resolve_interpret(interpret))
 
 
 def flash_attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
                     query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
                     segment_ids=None, logits_soft_cap=None, block_q=None, block_k=None,
-                    interpret=None, sinks=None):
+                    interpret=None, chip=None, sinks=None):
     """FlashAttention forward as a Pallas TPU kernel.
 
     Same arguments, semantics and validation as :func:`flashlab.reference.naive_attention`
@@ -552,6 +557,11 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None, is_c
         ``ValueError`` naming the argument.
       interpret: ``None`` (compiled with Mosaic on a TPU, the generic interpreter elsewhere),
         ``True``/``False``, or a ``pltpu.InterpretParams`` (TPU interpret mode).
+      chip: the TPU generation ("v4", "v5e", "v5p", "v6e", "7x") whose VMEM sizes the default
+        blocks, the VMEM check and the compiled kernel's ``vmem_limit_bytes``, forward and
+        backward. ``None`` (default) reads the compile target: the chip
+        :func:`flashlab.tpu_compile.compile` compiles for, or the TPU devices of the mesh being
+        traced under, else this host's TPU, else ``v5e``. An explicit ``chip`` wins.
       sinks: optional float ``[heads]`` sink logits, merged into each row's state at the
         last kv step (``online_softmax.sink_state``); differentiable.
 
@@ -568,4 +578,4 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None, is_c
         local_window_size=local_window_size, segment_ids=segment_ids,
         logits_soft_cap=logits_soft_cap, sinks=sinks)
     return flash_attention_from_spec(query, key, value, spec, block_q=block_q, block_k=block_k,
-                                     interpret=interpret)
+                                     interpret=interpret, chip=chip)

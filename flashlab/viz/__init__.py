@@ -1,6 +1,7 @@
 """Figures of the book: one function per figure, each returns a matplotlib Figure."""
 from .backward import backward_tile_map_figure, backward_traffic_figure, loss_curves_figure
 from .bench import bench_figure
+from .decode import decode_roofline_figure, page_walk_figure, paged_cache_figure
 from .hard import vmem_vs_seq_len
 from .online_softmax import online_softmax_figure
 from .tiled import traffic_figure
@@ -17,4 +18,5 @@ __all__ = ["naive_scaling_figure", "score_matrix_figure", "bench_figure", "ring_
            "roofline_figure", "tile_schedule_figure", "explorer_figure",
            "online_softmax_figure", "traffic_figure", "backward_traffic_figure",
            "backward_tile_map_figure", "loss_curves_figure", "vmem_vs_seq_len",
-           "packing_figure", "backend_loss_figure", "long_document_figure"]
+           "packing_figure", "backend_loss_figure", "long_document_figure",
+           "decode_roofline_figure", "paged_cache_figure", "page_walk_figure"]
