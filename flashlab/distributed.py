@@ -55,6 +55,8 @@ def spec_to_kwargs(spec: AttentionSpec) -> dict[str, Any]:
                               local_window_size=spec.window, logits_soft_cap=spec.soft_cap)
     if spec.q_segment_ids is not None:
         kw["segment_ids"] = (spec.q_segment_ids, spec.kv_segment_ids)
+    if spec.sinks is not None:
+        kw["sinks"] = spec.sinks
     return kw
 
 

@@ -95,7 +95,8 @@ def tiled_attention_with_lse_from_spec(query, key, value, spec: AttentionSpec, *
     """Tiled attention returning ``(out [B, T, N, d_v] query dtype, lse [B, N, T] float32)``
     (lse float64 for float64 inputs).
 
-    ``lse`` is ``-inf`` for rows with no visible key. Both outputs are differentiable (the
+    ``lse`` is ``-inf`` for rows with no visible key (with ``spec.sinks`` it includes the
+    sink: ``lse = sink`` on such rows, whose output is still 0). Both outputs are differentiable (the
     lse cotangent adds ``P ∘ dlse`` to dS), so states of disjoint key sets can be merged
     outside (ring attention) and still be trained through.
     """

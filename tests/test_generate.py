@@ -43,3 +43,12 @@ def test_generate_rejects_a_labeller():
         generate(model, jnp.ones((1, 4), jnp.int32), 0)
     with pytest.raises(ValueError, match=r"prompt_tokens: expected int \[batch, prompt_len"):
         generate(model, jnp.ones((4,), jnp.int32), 2)
+
+
+def test_bench_generate_runs():
+    """The benchmark CLI's measurement runs end to end on a tiny context (no timing asserted)."""
+    from flashlab import bench_generate
+    r = bench_generate.run(context=48, new_tokens=4, recompute_tokens=2, prefill_chunk=16,
+                           d_model=16, num_heads=2, num_layers=1, vocab_size=16)
+    assert r["prompt"] == 44 and r["cached_s_per_token"] > 0 and r["recompute_s_per_token"] > 0
+    assert "decode speed-up" in bench_generate.format_report(r)
