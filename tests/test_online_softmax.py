@@ -120,3 +120,18 @@ def test_fully_masked_rows_finalize_to_zero_and_neg_inf():
     st2 = osm.update(osm.init((1,), 4), jnp.full((1, 10), -jnp.inf), jnp.asarray(v))
     o2, l2 = osm.finalize(st2)
     assert np.all(np.asarray(o2) == 0) and np.isneginf(np.asarray(l2)).all()
+
+
+def test_nan_logits_finalize_to_nan_and_empty_rows_to_zero():
+    """'No visible key' (m = -inf) and 'NaN logits' (m or l NaN) are told apart: only the
+    first is 0. A +inf logit gives NaN too (exp(inf - inf)), as in jax.nn."""
+    v = jnp.ones((4, 2), jnp.float32)
+    s = jnp.zeros((4, 4), jnp.float32).at[0, 1].set(jnp.nan).at[1, 2].set(jnp.inf)
+    vis = jnp.ones((4, 4), bool).at[3].set(False).at[2, 1].set(False)
+    s = s.at[2, 1].set(jnp.nan)                  # NaN under the mask: invisible, harmless
+    state = osm.merge(osm.update(osm.init((4,), 2), s[:, :2], v[:2], vis[:, :2]),
+                      osm.update(osm.init((4,), 2), s[:, 2:], v[2:], vis[:, 2:]))
+    out, lse = (np.asarray(x) for x in osm.finalize(state))
+    assert np.isnan(out[:2]).all() and np.isnan(lse[:2]).all()
+    assert np.allclose(out[2], 1.0) and np.isfinite(lse[2])
+    assert np.all(out[3] == 0) and np.isneginf(lse[3])
