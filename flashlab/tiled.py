@@ -364,17 +364,19 @@ def _bounds(ranges, r, *, row_len, row_block, col_len, col_block):
     return lo, flo, fhi, hi
 
 
-def _offset_bounds(bounds, cfg: _Config, aux: _Aux, r, *, transposed: bool):
-    """Tighten row ``r``'s traced ``lo .. hi`` by causal/window at the global offsets.
+def _offset_ranges(ranges, cfg: _Config, aux: _Aux, *, transposed: bool):
+    """Tighten every row's ``lo .. hi`` by causal/window at the (traced) global offsets.
 
     Local key ``k`` can be visible from local query ``q`` only if ``k <= q + δ`` (causal),
     ``q + δ - left <= k <= q + δ + right`` (window), ``δ = q_offset - kv_offset``: the same
     rule as :func:`flashlab.masks.block_maybe_visible`, solved for block indices. Every
     visited tile is masked (the table marks all of them masked when offsets are given).
+    ``ranges``: the static ``[4, R]`` table; returns a traced ``[4, R]`` one.
     """
-    lo, _, _, hi = bounds
+    lo, hi = ranges[0], ranges[3]
     if not (cfg.is_causal or cfg.window is not None):
-        return bounds
+        return ranges
+    r = jnp.arange(ranges.shape[1])
     delta = aux.q_offset - aux.kv_offset
     left, right = cfg.window if cfg.window is not None else (None, None)
     first, last = [], []
@@ -402,7 +404,7 @@ def _offset_bounds(bounds, cfg: _Config, aux: _Aux, r, *, transposed: bool):
         hi = jnp.minimum(hi, jnp.floor_divide(x, col) + 1)
     lo = jnp.clip(lo, 0, hi)
     hi = jnp.maximum(hi, lo)
-    return lo, lo, lo, hi
+    return jnp.stack([lo, lo, lo, hi]).astype(jnp.int32)
 
 
 def _three_loops(bounds, used, masked_body, unmasked_body, carry):
@@ -431,6 +433,8 @@ def _tables(cfg: _Config, aux: _Aux, *, transposed: bool):
     lo, flo, fhi, hi = r = visit_ranges(maybe, full, all_masked=dense)
     lengths = aux.q_lengths is not None or aux.kv_lengths is not None   # may move fhi down
     used = (bool((flo > lo).any()), bool((fhi > flo).any()), bool((hi > fhi).any()) or lengths)
+    if cfg.offsets:
+        return _offset_ranges(jnp.asarray(r), cfg, aux, transposed=transposed), used
     return jnp.asarray(r), used
 
 
@@ -545,8 +549,6 @@ def _forward(cfg: _Config, q4, k3, v3, bias5, aux: _Aux, sinks2=None):
         bounds = _bounds(ranges, i, row_len=aux.q_lengths, row_block=cfg.bq,
                          col_len=aux.kv_lengths, col_block=cfg.bk)
         # Inside shard_map the initial state varies over the mesh axes its data does.
-        if cfg.offsets:
-            bounds = _offset_bounds(bounds, cfg, aux, i, transposed=False)
         state = _three_loops(bounds, used, kv_step(True), kv_step(False),
                              pvary(osm.init((BK, G * cfg.bq), Hv, _acc(q4.dtype)), axes))
         if sinks2 is not None:
@@ -619,8 +621,6 @@ def _backward(cfg: _Config, q4, k3, v3, bias5, aux: _Aux, out4, lse3, dout4, dls
 
         bounds = _bounds(ranges, j, row_len=aux.kv_lengths, row_block=cfg.bk,
                          col_len=aux.q_lengths, col_block=cfg.bq)
-        if cfg.offsets:
-            bounds = _offset_bounds(bounds, cfg, aux, j, transposed=True)
         zeros = pvary((jnp.zeros((BK, cfg.bk, H), f32), jnp.zeros((BK, cfg.bk, Hv), f32)), axes)
         dq, dbias, dk, dv = _three_loops(bounds, used, q_step(True), q_step(False),
                                          (dq, dbias, *zeros))

@@ -80,24 +80,24 @@ def test_kernel_skips_blocks_by_global_position():
                                                (False, (None, 3))])
 def test_block_ranges_with_shift_equal_block_maybe_visible(is_causal, window):
     bq, bk, nq, nk = 8, 8, 4, 5
+    geo = dict(block_q=bq, block_k=bk, is_causal=is_causal, window=window)
     for shift in (-30, -9, -1, 0, 3, 17, 40):
         qo, ko = max(shift, 0), max(-shift, 0)
-        for i in range(nq):
-            lo, hi = blk.kv_block_range(i, nq * bq, nk * bk, block_q=bq, block_k=bk,
-                                        num_kv_blocks=nk, is_causal=is_causal, window=window,
-                                        shift=shift)
-            want = [j for j in range(nk) if masks.block_maybe_visible(
-                qo + i * bq, qo + (i + 1) * bq, ko + j * bk, ko + (j + 1) * bk,
-                is_causal=is_causal, window=window)]
-            assert [j for j in range(nk) if lo <= j <= hi] == want, (shift, i)
-        for j in range(nk):
-            lo, hi = blk.q_block_range(j, nq * bq, nk * bk, block_q=bq, block_k=bk,
-                                       num_q_blocks=nq, is_causal=is_causal, window=window,
-                                       shift=shift)
-            want = [i for i in range(nq) if masks.block_maybe_visible(
-                qo + i * bq, qo + (i + 1) * bq, ko + j * bk, ko + (j + 1) * bk,
-                is_causal=is_causal, window=window)]
-            assert [i for i in range(nq) if lo <= i <= hi] == want, (shift, j)
+
+        def maybe(i, j):
+            return masks.block_maybe_visible(qo + i * bq, qo + (i + 1) * bq, ko + j * bk,
+                                             ko + (j + 1) * bk, is_causal=is_causal, window=window)
+
+        # Row r of each table against block_maybe_visible at the global positions.
+        for rows, cols, fn, pair in (
+                (nq, nk, lambda r: blk.kv_block_range(r, nq * bq, nk * bk, num_kv_blocks=nk,
+                                                      shift=shift, **geo), lambda r, c: (r, c)),
+                (nk, nq, lambda r: blk.q_block_range(r, nq * bq, nk * bk, num_q_blocks=nq,
+                                                     shift=shift, **geo), lambda r, c: (c, r))):
+            for r in range(rows):
+                lo, hi = fn(r)
+                want = [c for c in range(cols) if maybe(*pair(r, c))]
+                assert [c for c in range(cols) if lo <= c <= hi] == want, (shift, r)
 
 
 def test_offsets_bad_input_and_undeclared_backends():

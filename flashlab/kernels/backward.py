@@ -154,7 +154,7 @@ def dkdv_grid_spec(cfg: ForwardConfig) -> BackwardGridSpec:
         config=cfg, grid=(B, K, cfg.num_kv_blocks, G, cfg.num_q_blocks),
         in_names=tuple(names), in_specs=tuple(specs), in_shapes=tuple(shapes),
         out_names=("dk", "dv"), out_specs=out_specs, out_shapes=out_shapes,
-        scratch_shapes=scratch, num_scalar_prefetch=2 + cfg.has_offsets,
+        scratch_shapes=scratch,
         dimension_semantics=("parallel", "parallel", "parallel", "arbitrary", "arbitrary"),
         name="flashlab_flash_backward_dkdv")
 
@@ -185,7 +185,7 @@ def dq_grid_spec(cfg: ForwardConfig, with_dbias: bool = True) -> BackwardGridSpe
         config=cfg, grid=cfg.grid, in_names=tuple(names), in_specs=tuple(specs),
         in_shapes=tuple(shapes), out_names=tuple(out_names), out_specs=tuple(out_specs),
         out_shapes=tuple(out_shapes), scratch_shapes=(compat.VMEM((bq, Dp), jnp.float32),),
-        num_scalar_prefetch=2 + cfg.has_offsets, name="flashlab_flash_backward_dq")
+        name="flashlab_flash_backward_dq")
 
 
 def backward_grid_specs(cfg: ForwardConfig, with_dbias: bool = True

@@ -170,6 +170,11 @@ class ForwardGridSpec:
     num_scalar_prefetch: int = 2
     dimension_semantics: tuple[str, ...] = ("parallel", "parallel", "parallel", "arbitrary")
 
+    def __post_init__(self):
+        # With offsets the kernels take a third scalar-prefetch operand ([2] int32 offsets).
+        if getattr(self.config, "has_offsets", False) and self.num_scalar_prefetch == 2:
+            object.__setattr__(self, "num_scalar_prefetch", 3)
+
     def pallas_grid_spec(self):
         """The ``pltpu.PrefetchScalarGridSpec`` handed to ``pallas_call``."""
         return compat.PrefetchScalarGridSpec(
@@ -308,8 +313,7 @@ def forward_grid_spec(cfg: ForwardConfig) -> ForwardGridSpec:
     return ForwardGridSpec(config=cfg, grid=cfg.grid, in_names=tuple(names),
                            in_specs=tuple(specs), in_shapes=tuple(shapes),
                            out_names=tuple(out_names), out_specs=tuple(out_specs),
-                           out_shapes=tuple(out_shapes), scratch_shapes=scratch,
-                           num_scalar_prefetch=2 + cfg.has_offsets)
+                           out_shapes=tuple(out_shapes), scratch_shapes=scratch)
 
 
 def _sinks_index_map(b, h, i, j, q_lengths, kv_lengths, offsets=None):
