@@ -64,14 +64,13 @@ def _splash(chip, backward, causal, block, shape, dtype):
     import jax
     from .kernels._pallas_compat import official_splash_attention
     sa = official_splash_attention()
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
     B, T, H, d = shape
     x = jax.ShapeDtypeStruct((B, H, T, d), dtype)
-    one = sm.CausalMask((T, T)) if causal else sm.FullMask((T, T))
+    one = sa.CausalMask((T, T)) if causal else sa.FullMask((T, T))
     bs = sa.BlockSizes.get_default() if not block else sa.BlockSizes(
         block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
         block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
-    kernel = sa.make_splash_mha(sm.MultiHeadMask([one] * H), block_sizes=bs, head_shards=1,
+    kernel = sa.make_splash_mha(sa.MultiHeadMask([one] * H), block_sizes=bs, head_shards=1,
                                 q_seq_shards=1)
     info = {"forward": [bs.block_q, bs.block_kv], "dq": [bs.block_q_dq, bs.block_kv_dq],
             "dkdv": [bs.block_q_dkv, bs.block_kv_dkv]}

@@ -421,7 +421,7 @@ def _three_loops(bounds, used, masked_body, unmasked_body, carry):
 
 def _tables(cfg: _Config, aux: _Aux, *, transposed: bool):
     """``(ranges [4, R] int32 array, used)``: which of the three loops any row needs."""
-    # With offsets the causal/window range is known only at run time (_offset_bounds): the
+    # With offsets the causal/window range is known only at run time (_offset_ranges): the
     # static table then holds every block, all masked.
     static = not cfg.offsets
     maybe, full, _, _ = block_tables(cfg.T, cfg.S, cfg.bq, cfg.bk,
