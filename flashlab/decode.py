@@ -182,7 +182,7 @@ def tiled_decode(query, k_cache, v_cache, spec: DecodeSpec, *, interpret=None,
 def oracle_decode_attention(query, k_cache, v_cache, *, cache_lengths, page_table=None,
                             scale=None, local_window_size=None, logits_soft_cap=None,
                             sinks=None) -> np.ndarray:
-    """Float64 NumPy truth for :func:`decode_attention` (a loop over sequences, no JAX).
+    """Float64 NumPy truth for :func:`flashlab.decode.decode_attention` (a loop over sequences, no JAX).
 
     Returns ``[B, T, Hq, dv]`` float64.
     """
@@ -336,7 +336,7 @@ def decode_attention(query, k_cache, v_cache, *, cache_lengths, page_table=None,
       logits_soft_cap: ``c > 0``: logits become ``c * tanh(logits / c)`` after scaling.
       sinks: float ``[q_heads]``: a per-head logit that joins the softmax denominator and
         takes no value.
-      backend: ``"auto"`` or a name from :func:`decode_backends`.
+      backend: ``"auto"`` or a name from :func:`flashlab.decode.decode_backends`.
       interpret: for ``pallas_tpu`` off a TPU: ``None``/``True`` generic interpreter, or a
         ``pltpu.InterpretParams`` (TPU interpret mode).
 
