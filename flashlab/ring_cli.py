@@ -23,6 +23,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 __all__ = ["main", "free_port", "launch", "worker", "wait_for_coordinator"]
@@ -75,12 +76,15 @@ def launch(args, argv) -> int:
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                XLA_FLAGS=f"--xla_force_host_platform_device_count={args.devices_per_process}")
     env.pop("JAX_ENABLE_X64", None)
-    procs = []
+    procs, logs = [], []
     for pid in range(args.processes):
         cmd = [sys.executable, "-m", "flashlab", "ring", *argv, "--worker", str(pid),
                "--coordinator", coord]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
+        # Files, not pipes: a chatty runtime (gloo logs) must never fill a pipe nobody reads
+        # while we poll, which would hang the worker.
+        out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+        logs.append((out, err))
+        procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=err, text=True))
     deadline = time.monotonic() + args.timeout
     failed = None
     while time.monotonic() < deadline:
@@ -99,12 +103,15 @@ def launch(args, argv) -> int:
         if p.poll() is None:
             p.terminate()
     outs = []
-    for p in procs:
+    for p, (out, err) in zip(procs, logs):
         try:
-            outs.append(p.communicate(timeout=10))
+            p.wait(timeout=10)
         except subprocess.TimeoutExpired:
             p.kill()
-            outs.append(p.communicate())
+            p.wait()
+        out.seek(0), err.seek(0)
+        outs.append((out.read(), err.read()))
+        out.close(), err.close()
     print(outs[0][0], end="")
     if failed is None:
         return 0
