@@ -62,7 +62,7 @@ def env() -> dict:
     e.setdefault("PYTHONHASHSEED", "0")
     e.pop("XLA_FLAGS", None)        # tests that need simulated devices set it themselves
     # libtpu (the TPU compiler, from jax[tpu] in requirements.txt) is installed: the tests run
-    # on CPU and load it only to compile (flashlab.tpu_compile), and they must not skip.
+    # on CPU and load it only to compile (flashlab.instruments.tpu_compile), and they must not skip.
     e.setdefault("JAX_PLATFORMS", "cpu")
     e["FLASHLAB_REQUIRE_LIBTPU"] = "1"
     return e

@@ -3,23 +3,36 @@
 Layout everywhere is ``[batch, seq, heads, head_dim]`` with ``jax.nn.dot_product_attention``'s
 argument names. ``flashlab.attention(...)`` is the contract; ``flashlab.backends()`` lists what
 can serve it. See the book for the story and ``README.md`` for the quickstart.
+
+The package, by role. Each subpackage may import only from those above it in this list (a test,
+``tests/test_layout.py``, fails on an import that points down the list or on any cycle):
+
+- ``compat``: the only modules that know JAX versions differ (Pallas and ``shard_map`` names).
+- ``contract``: what every backend agrees on: ``masks.validate`` builds the one
+  :class:`AttentionSpec`; ``device`` (platform, target chip), ``autodiff``, ``decode_validate``.
+- ``ladder``: the plain-JAX rungs: ``reference`` (naive + float64 oracle), ``online_softmax`` (the
+  one merge), ``tiled``.
+- ``kernels``: the Pallas TPU kernels: forward, backward, decode, block sizes.
+- ``dispatch``: ``attention``/``explain``, the backend registry, adapters for other kernels, and
+  the conformance suite every backend passes.
+- ``serving``: ``decode_attention`` and ``KVCache``.
+- ``scale``: sharded and ring attention across devices and processes.
+- ``instruments``: what measures the rungs: HBM traffic, roofline, the real TPU compiler and its
+  schedule, memory, communication models.
+- ``models``: a small document model that reuses the kernel (needs flax).
+- ``viz``, ``widgets``: the book's figures and interactive widgets.
+- ``benchmarks``: the ``python -m flashlab bench ...`` command lines.
 """
-from . import device, masks, online_softmax, reference
-from . import adapters, api, registry
-from . import comm_model, distributed, ring_layout
-from . import kernels, roofline, tiled, traffic
-from . import conformance, leaks, profiling
-from . import decode, decode_validate, kv_cache
-from . import tpu_compile
-from .api import as_flax_attention_fn, attention, explain
-from .decode import decode_attention
-from .kv_cache import KVCache
-from .distributed import ring_attention, sharded_attention
-from .kernels import flash_attention
-from .masks import AttentionSpec, validate
-from .reference import naive_attention, oracle_attention
-from .registry import backends
-from .tiled import tiled_attention
+from flashlab import compat, contract, dispatch, instruments, kernels, ladder, scale, serving
+from flashlab.contract.masks import AttentionSpec, validate
+from flashlab.dispatch.api import as_flax_attention_fn, attention, explain
+from flashlab.dispatch.registry import backends
+from flashlab.kernels import flash_attention
+from flashlab.ladder.reference import naive_attention, oracle_attention
+from flashlab.ladder.tiled import tiled_attention
+from flashlab.scale.distributed import ring_attention, sharded_attention
+from flashlab.serving.decode import decode_attention
+from flashlab.serving.kv_cache import KVCache
 
 __version__ = "0.1.0"
 
@@ -34,17 +47,14 @@ def __getattr__(name):
 
 __all__ = [
     # the contract
-    "attention", "explain", "backends", "as_flax_attention_fn",
-    # serving (chapter 12)
-    "decode_attention", "decode", "decode_validate", "KVCache", "kv_cache",
+    "attention", "explain", "backends", "as_flax_attention_fn", "AttentionSpec", "validate",
     # the rungs
-    "naive_attention", "oracle_attention", "tiled_attention", "flash_attention", "sharded_attention", "ring_attention",
-    # validation and the one mask description
-    "AttentionSpec", "validate",
-    # modules
-    "device", "masks", "online_softmax", "reference", "registry", "api", "adapters",
-    "distributed", "ring_layout", "comm_model", "kernels", "traffic", "roofline", "tiled", "conformance", "leaks", "profiling",
-    "tpu_compile",
+    "naive_attention", "oracle_attention", "tiled_attention", "flash_attention",
+    "sharded_attention", "ring_attention",
+    # serving (chapter 12)
+    "decode_attention", "KVCache",
+    # subpackages
+    "compat", "contract", "ladder", "kernels", "dispatch", "serving", "scale", "instruments",
     # chapter 11: a document model that reuses the kernel (needs flax; imported on first use)
     "models",
 ]

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 
-COMMANDS = {"bench": "flashlab.bench", "ring": "flashlab.ring_cli"}
+COMMANDS = {"bench": "flashlab.benchmarks.backends", "ring": "flashlab.scale.ring_cli"}
 
 
 def main(argv=None) -> int:

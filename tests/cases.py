@@ -1,11 +1,11 @@
 """Mask-option cases shared by every rung's tests.
 
-The list lives in :mod:`flashlab.conformance` (the conformance library a second engineer runs
+The list lives in :mod:`flashlab.dispatch.conformance` (the conformance library a second engineer runs
 on a new backend); tests import it from here so there is one definition of "every mask option".
 """
 from hypothesis import strategies as st
 
-from flashlab.conformance import MASK_OPTIONS, mask_kwargs
+from flashlab.dispatch.conformance import MASK_OPTIONS, mask_kwargs
 
 __all__ = ["MASK_OPTIONS", "mask_kwargs", "draw_shape"]
 

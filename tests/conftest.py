@@ -13,4 +13,4 @@ def rng():
     return np.random.default_rng(0)
 
 
-from flashlab.conformance import random_qkv  # noqa: E402,F401  (one definition, re-exported)
+from flashlab.dispatch.conformance import random_qkv

@@ -24,9 +24,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from cases import mask_kwargs  # noqa: E402
 from conftest import random_qkv  # noqa: E402
 
-from flashlab import ring_layout  # noqa: E402
-from flashlab.distributed import ring_attention, ring_block_counts, sharded_attention  # noqa: E402
-from flashlab.reference import naive_attention, oracle_attention  # noqa: E402
+from flashlab.scale import ring_layout
+from flashlab.scale.distributed import ring_attention, ring_block_counts, sharded_attention
+from flashlab.ladder.reference import naive_attention, oracle_attention
 
 FWD_ATOL = 2e-5      # fp32 outputs of unit-scale inputs vs the float64 oracle
 GRAD_RTOL = 1e-4     # fp32 gradients, relative to the largest float64 gradient entry

@@ -4,9 +4,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flashlab import registry
-from flashlab.api import as_flax_attention_fn, attention, explain
-from flashlab.masks import validate
+from flashlab.dispatch import registry
+from flashlab.dispatch.api import as_flax_attention_fn, attention, explain
+from flashlab.contract.masks import validate
 from conftest import random_qkv
 
 

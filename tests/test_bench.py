@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from flashlab import bench
+from flashlab.benchmarks import backends as bench
 
 
 def test_bench_quick_json_and_plot(tmp_path):
@@ -94,7 +94,7 @@ def test_bench_skip_line_names_the_cli_flag(capsys):
 def test_tile_matmuls_probe_is_the_tiled_loops_matmuls():
     """The benchmark's ceiling probe computes exactly sum_j (Q_i K_jᵀ) V_j per q block."""
     import numpy as np
-    from flashlab.bench_tiled import markdown, targets, tile_matmuls_only
+    from flashlab.benchmarks.tiled import markdown, targets, tile_matmuls_only
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((1, 64, 2, 8)).astype(np.float32) for _ in range(3))
     got = np.asarray(tile_matmuls_only(q, k, v, block_q=16, block_k=32))   # [2, 4, 16, 8]
@@ -123,7 +123,7 @@ def test_tile_matmuls_probe_is_the_tiled_loops_matmuls():
 def test_flop_rate_target_uses_the_interleaved_rate_run():
     """The FLOP-rate target divides the two medians of one alternating run when there is one,
     not rates measured minutes apart in separate processes."""
-    from flashlab.bench_tiled import markdown, run_child, targets
+    from flashlab.benchmarks.tiled import markdown, run_child, targets
     r = run_child(dict(kind="rate", impl="tiled", n=128, matmul_n=64, repeats=2))
     assert min(r[k] for k in ("seconds", "causal_seconds", "ceiling_seconds", "matmul_seconds")) > 0
     assert r["matmul_flops"] == 2.0 * 64 ** 3 and r["flops"] == 4.0 * 8 * 128 ** 2 * 64

@@ -10,10 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flashlab import online_softmax
-from flashlab.kernels import _pallas_compat as compat
+from flashlab.ladder import online_softmax
+from flashlab.compat import pallas as compat
 from flashlab.kernels import flash_attention
-from flashlab.reference import naive_attention, oracle_attention
+from flashlab.ladder.reference import naive_attention, oracle_attention
 from conftest import random_qkv
 
 pytestmark = pytest.mark.compat
@@ -42,7 +42,7 @@ def test_official_kernel_modules_load_through_compat():
 
 def test_no_module_but_the_compat_module_imports_pallas():
     offenders = compat.direct_pallas_imports()
-    assert not offenders, f"import Pallas via flashlab.kernels._pallas_compat: {offenders}"
+    assert not offenders, f"import Pallas via flashlab.compat.pallas: {offenders}"
 
 
 def test_the_audit_finds_a_direct_import(tmp_path):

@@ -1,16 +1,16 @@
 """The conformance suite: every registered backend, the same cases, the float64 oracle.
 
-The cases, shapes and tolerances live in :mod:`flashlab.conformance` (so that a notebook or a
-second engineer can run them with ``flashlab.conformance.check_backend(name)``); this module
+The cases, shapes and tolerances live in :mod:`flashlab.dispatch.conformance` (so that a notebook or a
+second engineer can run them with ``flashlab.dispatch.conformance.check_backend(name)``); this module
 only parametrizes pytest over them. A case is skipped only when the backend's own declaration
 excludes it (the skip reason quotes the declaration) or the backend is not importable here.
 
-Adding a backend: ``flashlab.registry.register(Backend(...))``, then pass this module.
-Tolerances: see :mod:`flashlab.conformance` (fp32 2e-5 abs, bf16 3e-2 abs, grads 1e-4 rel).
+Adding a backend: ``flashlab.dispatch.registry.register(Backend(...))``, then pass this module.
+Tolerances: see :mod:`flashlab.dispatch.conformance` (fp32 2e-5 abs, bf16 3e-2 abs, grads 1e-4 rel).
 """
 import pytest
 
-from flashlab import conformance
+from flashlab.dispatch import conformance
 
 
 def _params(kind):
@@ -47,7 +47,7 @@ def test_fully_masked_rows(name):
 
 def test_check_backend_reports_a_wrong_backend():
     """check_backend runs the same cases programmatically and catches a broken kernel."""
-    from flashlab import registry
+    from flashlab.dispatch import registry
     ref = registry.get("reference")
     bad = registry.Backend("broken_for_test", "reference, times 1.001",
                            lambda q, k, v, spec, *, interpret=None: ref.fn(q, k, v, spec) * 1.001,

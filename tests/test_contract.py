@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import flashlab
-from flashlab.reference import oracle_attention
+from flashlab.ladder.reference import oracle_attention
 
 SHAPES = [(2, 8, 8, 4, 2, 16), (2, 8, 12, 2, 1, 16)]        # (B, T, S, N, K, H)
 FAST = ["reference", "xla"]

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import flashlab
-from flashlab.decode import decode_backends, oracle_decode_attention
+from flashlab.serving.decode import decode_backends, oracle_decode_attention
 
 from decode_cases import CASES, decode_case
 
@@ -41,11 +41,11 @@ def test_auto_is_tiled_on_cpu_and_registry_declares_features():
     names = [b.name for b in decode_backends()]
     assert names[:2] == ["reference", "tiled"]
     q, k, v, kw = decode_case()
-    _, _, _, spec = flashlab.decode_validate.validate_decode(q, k, v, **kw)
-    assert flashlab.decode.choose_decode(spec, platform="cpu").backend == "tiled"
-    assert flashlab.decode.choose_decode(spec, platform="tpu").backend == "pallas_tpu"
+    _, _, _, spec = flashlab.contract.decode_validate.validate_decode(q, k, v, **kw)
+    assert flashlab.serving.decode.choose_decode(spec, platform="cpu").backend == "tiled"
+    assert flashlab.serving.decode.choose_decode(spec, platform="tpu").backend == "pallas_tpu"
     with pytest.raises(NotImplementedError, match="does not support dtype float64"):
-        flashlab.decode.choose_decode(dataclasses.replace(spec, dtype=jnp.dtype("float64")),
+        flashlab.serving.decode.choose_decode(dataclasses.replace(spec, dtype=jnp.dtype("float64")),
                                       "pallas_tpu", platform="cpu")
     assert spec.features() == {"paged", "gqa"}
 

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 import flashlab
-from flashlab import device
-from flashlab.decode import oracle_decode_attention, validate_decode
-from flashlab.kernels import _pallas_compat as compat
+from flashlab.contract import device
+from flashlab.serving.decode import oracle_decode_attention, validate_decode
+from flashlab.compat import pallas as compat
 from flashlab.kernels import decode as kdecode
 
 from decode_cases import CASES, decode_case

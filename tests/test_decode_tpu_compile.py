@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from flashlab import tpu_compile
+from flashlab.instruments import tpu_compile
 from flashlab.kernels.decode import decode_step_case
 
 needs_libtpu = pytest.mark.skipif(

@@ -5,7 +5,8 @@ import pytest
 
 matplotlib.use("Agg")
 
-from flashlab import decode_traffic, traffic, viz  # noqa: E402
+from flashlab.instruments import decode_traffic, traffic
+from flashlab import viz
 
 
 def test_each_visible_page_is_copied_once():
@@ -40,7 +41,7 @@ def test_prefill_kernel_reads_the_cache_once_per_query_head():
 def test_decode_sits_at_intensity_g_below_every_ridge():
     pts = viz.decode.decode_points(length=1024, batch=2, q_heads=8, group_sizes=(1, 8))
     assert [round(p["intensity"]) for p in pts] == [1, 8]
-    from flashlab import roofline
+    from flashlab.instruments import roofline
     assert all(p["intensity"] < roofline.chip(c).ridge_point / 10
                for p in pts for c in ("v4", "v5e", "v5p", "v6e", "7x"))
 

@@ -1,7 +1,8 @@
 import jax
 import pytest
 
-from flashlab import device, measure
+from flashlab.contract import device
+from flashlab.instruments import measure
 
 
 def test_platform_and_interpret_mode():

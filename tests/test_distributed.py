@@ -1,4 +1,4 @@
-"""flashlab.distributed on 8 simulated CPU devices, plus the layout tables and the comm model.
+"""flashlab.scale.distributed on 8 simulated CPU devices, plus the layout tables and the comm model.
 
 The device count must be fixed before jax is imported, and a pytest(-xdist) worker may have
 imported jax already; so each multi-device case runs in a fresh interpreter
@@ -12,7 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from flashlab import comm_model, ring_layout
+from flashlab.instruments import comm_model
+from flashlab.scale import ring_layout
 
 HERE = Path(__file__).resolve().parent
 CASES = ["ring_zigzag_causal_gqa", "ring_contiguous_segments_softcap",

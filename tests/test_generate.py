@@ -47,7 +47,7 @@ def test_generate_rejects_a_labeller():
 
 def test_bench_generate_runs():
     """The benchmark CLI's measurement runs end to end on a tiny context (no timing asserted)."""
-    from flashlab import bench_generate
+    from flashlab.benchmarks import generate as bench_generate
     r = bench_generate.run(context=48, new_tokens=4, recompute_tokens=2, prefill_chunk=16,
                            d_model=16, num_heads=2, num_layers=1, vocab_size=16)
     assert r["prompt"] == 44 and r["cached_s_per_token"] > 0 and r["recompute_s_per_token"] > 0

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from flashlab.kernels import gpu_style
-from flashlab.reference import oracle_attention
+from flashlab.ladder.reference import oracle_attention
 from conftest import random_qkv
 
 

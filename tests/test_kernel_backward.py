@@ -1,6 +1,6 @@
 """The Pallas backward kernels against the float64 oracle's gradients.
 
-The oracle gradient is ``jax.grad`` of :func:`flashlab.reference.naive_attention` on float64
+The oracle gradient is ``jax.grad`` of :func:`flashlab.ladder.reference.naive_attention` on float64
 inputs (``jax.enable_x64(True)``): dQ, dK, dV and dBias. Breadth runs in the generic interpreter;
 a few tiny shapes run in TPU interpret mode (race detector, NaN-poisoned uninitialized
 memory); parity with the official Pallas TPU kernel's gradients on shared features.
@@ -20,15 +20,16 @@ from hypothesis import given, settings, strategies as st
 
 from cases import MASK_OPTIONS, draw_shape, mask_kwargs
 from conftest import random_qkv
-from flashlab import device, traffic
-from flashlab.kernels import _pallas_compat as compat
+from flashlab.contract import device
+from flashlab.instruments import traffic
+from flashlab.compat import pallas as compat
 from flashlab.kernels import blocks as blk
 from flashlab.kernels import flash_attention
 from flashlab.kernels.backward import (backward_grid_specs, flash_attention_backward,
                                        make_backward_config)
 from flashlab.kernels.forward import flash_attention_forward
-from flashlab.masks import block_maybe_visible, validate
-from flashlab.reference import naive_attention
+from flashlab.contract.masks import block_maybe_visible, validate
+from flashlab.ladder.reference import naive_attention
 
 F32_RTOL = 1e-4
 BF16_RTOL = 5e-2

@@ -5,12 +5,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flashlab import masks
+from flashlab.contract import masks
 from flashlab.kernels import blocks as blk
 from flashlab.kernels import (choose_block_sizes, forward_grid_spec, make_config, vmem_bytes,
                               vmem_capacity_bytes)
-from flashlab.kernels import _pallas_compat as compat
-from flashlab.masks import validate
+from flashlab.compat import pallas as compat
+from flashlab.contract.masks import validate
 
 
 def test_vmem_table_matches_jax_tpu_info():

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flashlab import device
+from flashlab.contract import device
 from flashlab.kernels import examples
 
 

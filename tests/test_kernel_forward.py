@@ -13,11 +13,11 @@ from hypothesis import given, settings, strategies as st
 
 from cases import MASK_OPTIONS, draw_shape, mask_kwargs
 from conftest import random_qkv
-from flashlab import device
-from flashlab.kernels import _pallas_compat as compat
+from flashlab.contract import device
+from flashlab.compat import pallas as compat
 from flashlab.kernels import flash_attention, flash_attention_forward
-from flashlab.masks import validate
-from flashlab.reference import oracle_attention
+from flashlab.contract.masks import validate
+from flashlab.ladder.reference import oracle_attention
 
 F32_TOL = 2e-5
 BF16_TOL = 2e-2

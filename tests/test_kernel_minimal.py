@@ -2,7 +2,8 @@
 import numpy as np
 import pytest
 
-from flashlab import device, oracle_attention
+from flashlab.contract import device
+from flashlab import oracle_attention
 from flashlab.kernels import minimal
 
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from conftest import random_qkv
-from flashlab import device
-from flashlab.kernels import _pallas_compat as compat
+from flashlab.contract import device
+from flashlab.compat import pallas as compat
 from flashlab.kernels import flash_attention
 
 official = pytest.importorskip("jax.experimental.pallas.ops.tpu.flash_attention")

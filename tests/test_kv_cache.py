@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flashlab.decode import oracle_decode_attention
-from flashlab.kv_cache import KVCache
+from flashlab.serving.decode import oracle_decode_attention
+from flashlab.serving.kv_cache import KVCache
 
 B, K, N, D = 3, 2, 4, 8
 

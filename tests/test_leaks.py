@@ -1,6 +1,6 @@
 """No device-memory growth and no recompilation across repeated calls, for every backend.
 
-The ``no_growth`` fixture is :func:`flashlab.leaks.assert_no_growth`; each backend in
+The ``no_growth`` fixture is :func:`flashlab.instruments.leaks.assert_no_growth`; each backend in
 ``flashlab.backends()`` that can run here is called repeatedly, forward and gradient, jitted
 (as a training step would be) and fails on a new live array or a compile after warm-up.
 """
@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 import flashlab
-from flashlab import conformance, leaks, registry
-from flashlab.masks import validate
+from flashlab.dispatch import conformance, registry
+from flashlab.instruments import leaks
+from flashlab.contract.masks import validate
 from conftest import random_qkv
 
 

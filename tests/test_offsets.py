@@ -10,10 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flashlab import attention, masks
-from flashlab.conformance import FP32_ATOL, GRAD_RTOL, oracle_grads, random_qkv
+from flashlab import attention
+from flashlab.contract import masks
+from flashlab.dispatch.conformance import FP32_ATOL, GRAD_RTOL, oracle_grads, random_qkv
 from flashlab.kernels import blocks as blk
-from flashlab.reference import oracle_attention
+from flashlab.ladder.reference import oracle_attention
 
 CASES = {  # (T, S, q_offset, kv_offset, mask kwargs)
     "causal_q_after": (16, 24, 40, 20, {"is_causal": True}),
@@ -57,7 +58,7 @@ def test_backends_at_global_positions(backend, name):
 
 
 def test_tiled_skips_blocks_by_global_position():
-    from flashlab.tiled import tiled_attention_from_spec
+    from flashlab.ladder.tiled import tiled_attention_from_spec
     q, k, v, kw = _case("window_lengths")
     _, _, _, spec = masks.validate(q, k, v, **kw)
     out = tiled_attention_from_spec(q, k, v, spec, block_q=4, block_k=4)   # 4 x 6 tiles

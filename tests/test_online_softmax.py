@@ -1,9 +1,9 @@
-"""Property tests of flashlab.online_softmax: blocks in any split and any order give softmax."""
+"""Property tests of flashlab.ladder.online_softmax: blocks in any split and any order give softmax."""
 import jax.numpy as jnp
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
-from flashlab import online_softmax as osm
+from flashlab.ladder import online_softmax as osm
 
 ATOL = 2e-6   # fp32, unit-normal scores and values: max abs error vs float64 softmax·V
 

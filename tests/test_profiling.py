@@ -1,12 +1,12 @@
-"""flashlab.profiling: what XLA's cost model and a profiler trace can see."""
+"""flashlab.instruments.profiling: what XLA's cost model and a profiler trace can see."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flashlab import profiling
+from flashlab.instruments import profiling
 from flashlab.kernels import examples, flash_attention
-from flashlab.kernels._pallas_compat import pl
+from flashlab.compat.pallas import pl
 
 
 def _matmul(x, y):

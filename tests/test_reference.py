@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 import flashlab
-from flashlab.reference import naive_attention, naive_hbm_bytes, oracle_attention
+from flashlab.ladder.reference import naive_attention, naive_hbm_bytes, oracle_attention
 from cases import MASK_OPTIONS, mask_kwargs
 from conftest import random_qkv
 

@@ -5,7 +5,7 @@ import pytest
 pytest.importorskip("flax")
 from flax import nnx  # noqa: E402
 
-from flashlab import registry  # noqa: E402
+from flashlab.dispatch import registry
 from flashlab.models import (KEY, DocumentModel, ModelConfig, TrainConfig, forward_memories,  # noqa: E402
                              key_seen, make_documents, pack, pad, train, unpack)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from flashlab.ring_cli import free_port
+from flashlab.scale.ring_cli import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["--processes", "2", "--devices-per-process", "2", "--seq", "32", "--heads", "2",

@@ -1,5 +1,5 @@
-"""flashlab.ring_overlap reads the send/compute order off a compiled schedule (no devices)."""
-from flashlab.ring_overlap import schedule, send_overlap
+"""flashlab.instruments.ring_overlap reads the send/compute order off a compiled schedule (no devices)."""
+from flashlab.instruments.ring_overlap import schedule, send_overlap
 
 ASYNC = """HloModule m
 

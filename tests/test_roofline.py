@@ -1,7 +1,7 @@
-"""flashlab.roofline: the chip table and the time bound."""
+"""flashlab.instruments.roofline: the chip table and the time bound."""
 import pytest
 
-from flashlab import roofline
+from flashlab.instruments import roofline
 
 
 def test_every_chip_is_there_with_sane_numbers():

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from flashlab import attention
-from flashlab.reference import oracle_attention
+from flashlab.ladder.reference import oracle_attention
 
 B, T, S, N, K, H = 2, 16, 24, 4, 2, 16
 KW = dict(key_value_seq_lengths=np.array([S, 0], np.int32), local_window_size=(3, 2))

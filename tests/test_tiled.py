@@ -1,4 +1,4 @@
-"""flashlab.tiled against the float64 oracle and jax.grad of the reference.
+"""flashlab.ladder.tiled against the float64 oracle and jax.grad of the reference.
 
 Tolerances (unit-normal inputs):
   fp32 forward   max abs error <= 2e-5 vs the float64 oracle
@@ -12,10 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flashlab.reference import naive_attention, oracle_attention
-from flashlab.tiled import (block_tables, tiled_attention, tiled_attention_with_lse_from_spec,
-                            visit_ranges)
-from flashlab.masks import validate
+from flashlab.ladder.reference import naive_attention, oracle_attention
+from flashlab.ladder.tiled import (
+    block_tables, tiled_attention, tiled_attention_with_lse_from_spec, visit_ranges)
+from flashlab.contract.masks import validate
 from cases import MASK_OPTIONS, mask_kwargs
 from conftest import random_qkv
 

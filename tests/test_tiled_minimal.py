@@ -1,9 +1,9 @@
-"""flashlab.tiled_minimal: the one-head, no-mask forward and backward against float64 oracles."""
+"""flashlab.ladder.tiled_minimal: the one-head, no-mask forward and backward against float64 oracles."""
 import numpy as np
 
 from flashlab import oracle_attention
-from flashlab.conformance import oracle_grads
-from flashlab.tiled_minimal import minimal_backward, minimal_forward
+from flashlab.dispatch.conformance import oracle_grads
+from flashlab.ladder.tiled_minimal import minimal_backward, minimal_forward
 
 
 def test_minimal_forward_and_backward_match_the_float64_oracles():

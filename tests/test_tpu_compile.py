@@ -1,4 +1,4 @@
-"""flashlab.tpu_compile: its errors, and the kernels taking their chip from the compile target.
+"""flashlab.instruments.tpu_compile: its errors, and the kernels taking their chip from the compile target.
 
 The tests marked ``tpu_compile`` need libtpu (``pip install "jax[tpu]"``); they skip without it
 unless ``FLASHLAB_REQUIRE_LIBTPU=1`` (set by ``.ci/dev.py test``), where they fail instead.
@@ -14,9 +14,10 @@ import jax.numpy as jnp
 import pytest
 
 import flashlab
-from flashlab import device, tpu_compile
+from flashlab.contract import device
+from flashlab.instruments import tpu_compile
 from flashlab.kernels import blocks as blk
-from flashlab.kernels._pallas_compat import pl
+from flashlab.compat.pallas import pl
 
 HAVE = tpu_compile.available()
 needs_libtpu = pytest.mark.skipif(

@@ -1,7 +1,7 @@
 """The compile matrix: every kernel compiled by the real TPU compiler for v4, v5e, v5p, v6e, 7x.
 
 Nothing runs: each case is ``jax.jit(...).lower(...).compile()`` by libtpu (XLA TPU + Mosaic)
-for compile-only devices of the chip (:mod:`flashlab.tpu_compile`), and must compile with no
+for compile-only devices of the chip (:mod:`flashlab.instruments.tpu_compile`), and must compile with no
 error. Each flashlab case is ONE program holding the forward kernel (inference: no lse) and
 ``jax.grad`` through it (the forward with lse, the dK/dV kernel and the dQ kernel), so one
 compile covers all three kernels.
@@ -37,8 +37,8 @@ import numpy as np
 import pytest
 
 import flashlab
-from flashlab import tpu_compile
-from flashlab.conformance import mask_kwargs
+from flashlab.instruments import tpu_compile
+from flashlab.dispatch.conformance import mask_kwargs
 from flashlab.kernels import blocks as blk
 
 if not tpu_compile.available():

@@ -1,4 +1,4 @@
-"""The TPU compiler's schedule, read tile by tile (flashlab.tpu_schedule, tpu_dump, the bench).
+"""The TPU compiler's schedule, read tile by tile (flashlab.instruments.tpu_schedule, tpu_dump, the bench).
 
 The fixture is a real dump (gzipped, ~100 KB): flashlab's forward kernel, B=2, T=8192, H=16,
 d=128, bf16, causal, 512x512 blocks, compiled for v5e by libtpu 0.0.50 (jax 0.12.0.1) with
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from flashlab import tpu_dump, tpu_schedule as ts
+from flashlab.instruments import tpu_dump, tpu_schedule as ts
 
 DATA = Path(__file__).parent / "data" / "tpu_schedule"
 PACKED = DATA / "v5e_flashlab_forward_512x512-packed-bundles-post-ra.txt.gz"
@@ -19,7 +19,7 @@ UTIL = DATA / "v5e_flashlab_forward_512x512-static-per-bundle-utilization.txt.gz
 
 def _libtpu():
     try:
-        from flashlab import tpu_compile
+        from flashlab.instruments import tpu_compile
     except ImportError:
         return False
     return tpu_compile.available()
@@ -125,7 +125,7 @@ def test_role_of(name, role):
     (["--seq-len", "1000", "--blocks", "default"], "--seq-len: expected a multiple of 128"),
 ])
 def test_bench_cli_validation(args, match, capsys):
-    from flashlab import bench
+    from flashlab.benchmarks import backends as bench
     with pytest.raises(SystemExit) as e:
         bench.main(["tpu-static", *args])
     assert e.value.code == 2 and match in capsys.readouterr().err
@@ -134,7 +134,7 @@ def test_bench_cli_validation(args, match, capsys):
 @needs_libtpu
 def test_live_compile_bench_rows():
     """One real compile (flashlab forward, v5e): the dump parses, the cross-check passes."""
-    from flashlab import bench_tpu_static as bts
+    from flashlab.benchmarks import tpu_static as bts
     rows, versions = bts.measure(chips=["v5e"], libraries=["flashlab"], modes=["equal"],
                                  kernels=["forward"], block=512, batch=1, seq_len=4096,
                                  heads=4, progress=False)
@@ -152,4 +152,4 @@ def test_live_compile_bench_rows():
 @needs_libtpu
 def test_live_unknown_chip():
     with pytest.raises(ValueError, match="chip: expected one of"):
-        tpu_dump.schedules("flashlab.bench_tpu_static:build", "v9")
+        tpu_dump.schedules("flashlab.benchmarks.tpu_static:build", "v9")

@@ -1,4 +1,4 @@
-"""flashlab.traffic: the paper's IO model, and the replay of grids + BlockSpecs."""
+"""flashlab.instruments.traffic: the paper's IO model, and the replay of grids + BlockSpecs."""
 import collections
 
 import jax
@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from jax.experimental import pallas as pl
 
-from flashlab import traffic
-from flashlab.reference import naive_hbm_bytes
+from flashlab.instruments import traffic
+from flashlab.ladder.reference import naive_hbm_bytes
 
 
 # ---------- a hand-written flash forward schedule (what the kernel's BlockSpecs look like) ----

@@ -5,7 +5,7 @@ small problem, per backend; a backend that does not declare a derivative (``Back
 must refuse it with a NotImplementedError naming the backends that do, and ``auto`` must pick
 one that works at every size. shard_map (``check_vma=True``) on 8 simulated devices runs in a
 fresh process (tests/transform_dist_cases.py). References: forward values and gradients from
-``flashlab.reference.oracle_attention``/``conformance.oracle_grads`` (NumPy float64); tangents,
+``flashlab.ladder.reference.oracle_attention``/``conformance.oracle_grads`` (NumPy float64); tangents,
 Jacobians and Hessians by central differences of those float64 functions.
 """
 import os
@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 
 import flashlab
-from flashlab import registry
-from flashlab.conformance import oracle_grads, random_qkv
-from flashlab.reference import oracle_attention
+from flashlab.dispatch import registry
+from flashlab.dispatch.conformance import oracle_grads, random_qkv
+from flashlab.ladder.reference import oracle_attention
 
 HERE = Path(__file__).resolve().parent
 CPU = ("reference", "xla", "tiled", "pallas_tpu")

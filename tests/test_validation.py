@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from flashlab import naive_attention
-from flashlab.masks import block_maybe_visible, structural_visible
+from flashlab.contract.masks import block_maybe_visible, structural_visible
 
 B, T, S, N, K, H = 2, 8, 6, 4, 2, 16
 q = np.zeros((B, T, N, H), np.float32)

@@ -6,7 +6,7 @@ import numpy as np  # noqa: E402
 
 from flashlab.kernels import examples, forward_grid_spec, make_config  # noqa: E402
 from flashlab.kernels.replay import replay_index_maps  # noqa: E402
-from flashlab.masks import validate  # noqa: E402
+from flashlab.contract.masks import validate
 from flashlab.viz.pipeline import (block_skipping_figure, forward_skip_table,  # noqa: E402
                                    pipeline_residency_figure)
 from flashlab.widgets.pipeline import pipeline_widget  # noqa: E402

@@ -19,10 +19,10 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
 
 import flashlab  # noqa: E402
-from flashlab.conformance import random_qkv  # noqa: E402
-from flashlab.distributed import sharded_attention  # noqa: E402
-from flashlab.reference import naive_attention, oracle_attention  # noqa: E402
-from flashlab.shard_map_compat import SHARD_MAP_SOURCE  # noqa: E402
+from flashlab.dispatch.conformance import random_qkv
+from flashlab.scale.distributed import sharded_attention
+from flashlab.ladder.reference import naive_attention, oracle_attention
+from flashlab.compat.shard_map import SHARD_MAP_SOURCE
 
 FWD_ATOL, GRAD_RTOL = dist_cases.FWD_ATOL, dist_cases.GRAD_RTOL   # the same tolerances
 # reference and xla have no loop carries or custom rules of their own; test_distributed.py

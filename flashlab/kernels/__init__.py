@@ -1,13 +1,14 @@
 """Pallas TPU kernels: the FlashAttention forward, block-size choice, padding, a first kernel.
 
 ``flash_attention`` compiles with Mosaic on a TPU and runs in Pallas interpret mode elsewhere.
-Every Pallas import lives in :mod:`flashlab.kernels._pallas_compat`.
+Every Pallas import lives in :mod:`flashlab.compat.pallas`.
 """
-from . import blocks, examples, forward
-from .blocks import choose_block_sizes, vmem_bytes, vmem_capacity_bytes, vmem_budget_bytes
-from .forward import (ForwardConfig, ForwardGridSpec, flash_attention,
-                      flash_attention_forward, flash_attention_from_spec, forward_grid_spec,
-                      make_config)
+from flashlab.kernels import blocks, examples, forward
+from flashlab.kernels.blocks import (
+    choose_block_sizes, vmem_bytes, vmem_capacity_bytes, vmem_budget_bytes)
+from flashlab.kernels.forward import (
+    ForwardConfig, ForwardGridSpec, flash_attention, flash_attention_forward,
+    flash_attention_from_spec, forward_grid_spec, make_config)
 
 __all__ = ["flash_attention", "flash_attention_from_spec", "flash_attention_forward",
            "choose_block_sizes", "vmem_bytes", "vmem_capacity_bytes", "vmem_budget_bytes",

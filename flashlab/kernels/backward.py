@@ -35,11 +35,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..masks import AttentionSpec
-from . import _pallas_compat as compat
-from . import blocks as blk
-from . import forward as fwd
-from ._pallas_compat import pl
+from flashlab.contract.masks import AttentionSpec
+from flashlab.compat import pallas as compat
+from flashlab.kernels import blocks as blk
+from flashlab.kernels import forward as fwd
+from flashlab.compat.pallas import pl
 
 __all__ = ["BackwardGridSpec", "make_backward_config", "dkdv_grid_spec", "dq_grid_spec",
            "backward_grid_specs", "flash_attention_backward"]
@@ -82,7 +82,7 @@ class BackwardGridSpec(fwd.ForwardGridSpec):
     """One backward kernel's grid and BlockSpecs (see :class:`forward.ForwardGridSpec`).
 
     Index maps take ``(*grid indices, q_lengths, kv_lengths)`` and run on ints and NumPy
-    arrays too, so :mod:`flashlab.traffic` replays them.
+    arrays too, so :mod:`flashlab.instruments.traffic` replays them.
     """
 
     name: str = ""

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _pallas_compat as compat
+from flashlab.compat import pallas as compat
 
 __all__ = ["LANES", "SUBLANES", "VMEM_BYTES", "sublane_tile", "round_up", "lane_pad",
            "vmem_capacity_bytes", "vmem_budget_bytes", "vmem_bytes", "choose_block_sizes",
@@ -82,11 +82,11 @@ def resolve_chip(chip: str | None = None) -> str:
     """The TPU generation the kernels are built for: ``chip`` if given, else the compile target.
 
     Order (first wins): an explicit ``chip`` ("v4", "v5e", "v5p", "v6e", "7x"...); the chip
-    being compiled for (:func:`flashlab.device.target_chip`: a :func:`flashlab.tpu_compile`
+    being compiled for (:func:`flashlab.contract.device.target_chip`: a :func:`flashlab.instruments.tpu_compile`
     target, or the TPU devices of the mesh being traced under); this host's TPU; ``v5e``.
     """
     if chip is None:
-        from .. import device
+        from flashlab.contract import device
         chip = device.target_chip() or DEFAULT_CHIP
     name = str(chip).lower().removeprefix("tpu").removeprefix("_").strip() or DEFAULT_CHIP
     if name not in VMEM_BYTES:
@@ -254,7 +254,7 @@ def kv_block_range(i, q_len, kv_len, *, block_q, block_k, num_kv_blocks, is_caus
     """The kv blocks ``lo .. hi`` (inclusive) that q block ``i`` may need to see.
 
     Keys outside ``[lo*B_c, (hi+1)*B_c)`` are invisible to every query of the block: by the
-    causal and window masks (the positional part of :func:`flashlab.masks.block_maybe_visible`,
+    causal and window masks (the positional part of :func:`flashlab.contract.masks.block_maybe_visible`,
     whose ``True`` set this range equals exactly; the tests check it), past the valid
     ``kv_len``, or because the whole q block is past the valid ``q_len``. ``hi < lo`` means
     nothing is visible. Works on Python ints (replay, figures) and traced int32 (index maps).

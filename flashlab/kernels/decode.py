@@ -9,12 +9,12 @@ the pool: no gather is materialised in HBM. A page outside the range the sequenc
 does not change, so the pipeline copies nothing, and ``pl.when`` skips the compute.
 
 **Head folding.** The ``G`` query heads of a kv head, times the ``new_tokens``, are the rows
-of one query tile ``[T*G, d]`` (:func:`flashlab.decode.fold_heads`), so one K/V page serves
+of one query tile ``[T*G, d]`` (:func:`flashlab.serving.decode.fold_heads`), so one K/V page serves
 all of them: every byte of the visible cache is read once per step, not once per query head.
 
 **Split-K (flash-decoding).** A long cache with a small batch leaves most of a chip idle if
 one grid row walks it alone, so the kv axis is cut into ``splits`` ("parallel") ranges; each
-emits its partial state ``(m, l, acc)``, and :func:`flashlab.online_softmax.merge` (the one
+emits its partial state ``(m, l, acc)``, and :func:`flashlab.ladder.online_softmax.merge` (the one
 merge of every rung) combines them, together with the sinks' state, outside the kernel.
 """
 from __future__ import annotations
@@ -27,12 +27,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import device, masks, online_softmax
-from ..decode_validate import DecodeSpec
-from . import _pallas_compat as compat
-from . import blocks as blk
-from ._pallas_compat import pl
-from .forward import ForwardGridSpec
+from flashlab.contract import device, masks
+from flashlab.ladder import online_softmax
+from flashlab.contract.decode_validate import DecodeSpec
+from flashlab.compat import pallas as compat
+from flashlab.kernels import blocks as blk
+from flashlab.compat.pallas import pl
+from flashlab.kernels.forward import ForwardGridSpec
 
 __all__ = ["DecodeConfig", "DecodeGridSpec", "make_decode_config", "decode_grid_spec",
            "pallas_decode", "decode_call", "choose_num_splits", "SPLIT_MIN_POSITIONS",
@@ -154,7 +155,7 @@ class DecodeGridSpec(ForwardGridSpec):
     The forward kernel's container (:class:`flashlab.kernels.forward.ForwardGridSpec`) with
     ``config`` a :class:`DecodeConfig` and grid ``(batch, splits, pages_per_split)``. Every
     ``index_map`` is ``(b, s, i, lengths, page_table) -> block index`` and also runs on ints and
-    NumPy arrays, so :mod:`flashlab.traffic` replays it to count the bytes moved.
+    NumPy arrays, so :mod:`flashlab.instruments.traffic` replays it to count the bytes moved.
     ``page_table`` is flattened to ``[batch * table_width]`` (SMEM pads 2-D arrays).
     """
 
@@ -279,7 +280,7 @@ def decode_call(cfg: DecodeConfig, interpret=False):
 
 def prepare(cfg: DecodeConfig, query, table, spec: DecodeSpec):
     """Public operands -> the kernel's: folded, row-padded q and the flat padded table."""
-    from ..decode import fold_heads
+    from flashlab.serving.decode import fold_heads
     q = fold_heads(query, spec)
     q = jnp.pad(q, ((0, 0), (0, 0), (0, cfg.rows - q.shape[2]), (0, 0)))
     table = jnp.pad(table, ((0, 0), (0, cfg.table_width - table.shape[1])))
@@ -288,7 +289,7 @@ def prepare(cfg: DecodeConfig, query, table, spec: DecodeSpec):
 
 @functools.partial(jax.jit, static_argnames=("cfg", "interpret"))
 def _decode(query, k_pages, v_pages, table, spec, *, cfg: DecodeConfig, interpret):
-    from ..decode import sink_state, unfold_heads
+    from flashlab.serving.decode import sink_state, unfold_heads
     q, flat = prepare(cfg, query, table, spec)
     m, l, acc = decode_call(cfg, interpret)(spec.lengths, flat, q, k_pages, v_pages)
     TG = cfg.new_tokens * cfg.group_size
@@ -307,8 +308,8 @@ def pallas_decode(query, k_cache, v_cache, spec: DecodeSpec, *, interpret=None,
     A contiguous cache runs as pages of up to ``block_k`` positions (a free reshape).
     ``num_splits``: flash-decoding splits of the kv axis (default :func:`choose_num_splits`).
     """
-    from ..decode import paged_view
-    from .forward import _resolve_interpret
+    from flashlab.serving.decode import paged_view
+    from flashlab.kernels.forward import _resolve_interpret
     if jnp.dtype(spec.dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
         raise TypeError(f"query: the pallas_tpu decode kernel takes float32 or bfloat16, got "
                         f"{jnp.dtype(spec.dtype)}")
@@ -329,7 +330,7 @@ def decode_step_case(*, batch: int = 8, q_heads: int = 32, kv_heads: int = 4,
     holding ``batch * pages_per_sequence`` pages. What ``tpu_compile.compile(fn, *args,
     chip=...)`` and ``bench tpu-static`` lower.
     """
-    from ..decode import decode_attention
+    from flashlab.serving.decode import decode_attention
     dt = jnp.dtype(dtype)
     sds = jax.ShapeDtypeStruct
     pages = batch * pages_per_sequence

@@ -11,9 +11,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from .. import device
-from . import _pallas_compat as compat
-from ._pallas_compat import pl
+from flashlab.contract import device
+from flashlab.compat import pallas as compat
+from flashlab.compat.pallas import pl
 
 __all__ = ["add_kernel", "tiled_add", "add_grid_spec", "matmul_kernel", "tiled_matmul",
            "matmul_grid_spec"]

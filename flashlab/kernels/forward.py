@@ -3,7 +3,7 @@
 Grid ``(batch, heads, T_r, T_c)``: step ``(b, h, i, j)`` loads the query block ``Q_i``
 ``[B_r, d]`` and the key/value blocks ``K_j, V_j`` ``[B_c, d]`` into VMEM and folds
 ``S_ij = Q_i K_jᵀ`` into the running state ``(m, l, acc)`` kept in VMEM scratch with
-:func:`flashlab.online_softmax.update`. The kv axis ``j`` is innermost and "arbitrary" (it
+:func:`flashlab.ladder.online_softmax.update`. The kv axis ``j`` is innermost and "arbitrary" (it
 carries the state); the other three are "parallel". At the last ``j`` the state is
 finalized into ``O_i`` (and optionally ``lse_i``).
 
@@ -26,12 +26,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import device, masks, online_softmax
-from ..masks import AttentionSpec
-from ..shard_map_compat import in_manual_mesh, pvary, shape_dtype, vma_of
-from . import _pallas_compat as compat
-from . import blocks as blk
-from ._pallas_compat import pl
+from flashlab.contract import device, masks
+from flashlab.ladder import online_softmax
+from flashlab.contract.masks import AttentionSpec
+from flashlab.compat.shard_map import in_manual_mesh, pvary, shape_dtype, vma_of
+from flashlab.compat import pallas as compat
+from flashlab.kernels import blocks as blk
+from flashlab.compat.pallas import pl
 
 __all__ = ["ForwardConfig", "ForwardGridSpec", "make_config", "forward_grid_spec", "index_maps",
            "flash_attention", "flash_attention_from_spec", "flash_attention_forward",
@@ -153,7 +154,7 @@ class ForwardGridSpec:
 
     ``in_specs[k]`` / ``out_specs[k]`` describe operand ``in_names[k]`` / ``out_names[k]``;
     every ``index_map`` is a plain Python function ``(b, h, i, j, q_lengths, kv_lengths) ->
-    block index`` that also runs on ints and NumPy arrays, so ``flashlab.traffic`` and the
+    block index`` that also runs on ints and NumPy arrays, so ``flashlab.instruments.traffic`` and the
     figures can replay it to count which blocks move at which step. The two scalar-prefetch
     operands (int32 ``[batch]`` q and kv lengths) come first in the call and in every index map.
     """
@@ -546,7 +547,7 @@ def _attention_fwd(query, key, value, spec, cfg, bwd_cfg, interpret):
 
 
 def _attention_bwd(cfg, bwd_cfg, interpret, residuals, d_out):
-    from . import backward        # the backward kernels (chapter 07) import this module
+    from flashlab.kernels import backward
     query, key, value, spec, out, lse, flag = residuals
     if isinstance(d_out, jax.custom_derivatives.SymbolicZero):
         d_out = jnp.zeros(d_out.shape, d_out.dtype)
@@ -584,7 +585,7 @@ def _resolve_interpret(interpret):
 def flash_attention_from_spec(query, key, value, spec: AttentionSpec, *, block_q=None,
                               block_k=None, interpret=None, chip=None):
     """The forward kernel on already validated inputs (what the backend registry calls)."""
-    from .backward import make_backward_config
+    from flashlab.kernels.backward import make_backward_config
     cfg = make_config(spec, block_q=block_q, block_k=block_k, chip=chip)
     bwd_cfg = make_backward_config(spec, block_q=block_q, block_k=block_k, chip=chip)
     f = _attention_manual if in_manual_mesh() else _attention
@@ -610,7 +611,7 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None, is_c
                     interpret=None, chip=None, sinks=None):
     """FlashAttention forward as a Pallas TPU kernel.
 
-    Same arguments, semantics and validation as :func:`flashlab.reference.naive_attention`
+    Same arguments, semantics and validation as :func:`flashlab.ladder.reference.naive_attention`
     (layout ``[batch, seq, heads, head_dim]``; float32 or bfloat16; any lengths; GQA/MQA),
     plus:
 
@@ -623,7 +624,7 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None, is_c
       chip: the TPU generation ("v4", "v5e", "v5p", "v6e", "7x") whose VMEM sizes the default
         blocks, the VMEM check and the compiled kernel's ``vmem_limit_bytes``, forward and
         backward. ``None`` (default) reads the compile target: the chip
-        :func:`flashlab.tpu_compile.compile` compiles for, or the TPU devices of the mesh being
+        :func:`flashlab.instruments.tpu_compile.compile` compiles for, or the TPU devices of the mesh being
         traced under, else this host's TPU, else ``v5e``. An explicit ``chip`` wins.
       sinks: optional float ``[heads]`` sink logits, merged into each row's state at the
         last kv step (``online_softmax.sink_state``); differentiable.

@@ -9,7 +9,7 @@ This is how a Triton kernel reads when translated line by line into ``pl.pallas_
   ``pl.ds`` slices -- on a GPU those are loads from global memory into shared memory
   (``tl.load``); warps reduce the row max and row sum.
 
-The online softmax maps unchanged (it is :func:`flashlab.online_softmax.update`, as in every
+The online softmax maps unchanged (it is :func:`flashlab.ladder.online_softmax.update`, as in every
 rung). What does not map to a TPU: a ``(1, 64)`` block over ``[seq, heads]`` breaks the
 ``(8, 128)`` tiling rule, 64-wide tiles half-fill a 128x128 (v5e: 4x 128x128) MXU, the whole
 K/V row must fit VMEM (there is no "global memory pointer" inside a TPU kernel: BlockSpecs are
@@ -29,8 +29,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from .. import online_softmax
-from ._pallas_compat import pl
+from flashlab.ladder import online_softmax
+from flashlab.compat.pallas import pl
 
 __all__ = ["gpu_style_attention", "gpu_style_attention_relaid", "tpu_lowering_error", "gpu_style_vmem_bytes", "GPU_BLOCK"]
 
@@ -138,7 +138,7 @@ def gpu_style_vmem_bytes(kv_len: int, head_dim: int, dtype, *, block_q: int = GP
     its head as a block instead, so VMEM holds ``2 * kv_len * d`` (double-buffered), plus the
     Q/O blocks and the fp32 state. Lanes are padded to 128 as on the chip.
     """
-    from .blocks import lane_pad, round_up
+    from flashlab.kernels.blocks import lane_pad, round_up
     e = jnp.dtype(dtype).itemsize
     d = lane_pad(head_dim)
     kv = 2 * round_up(kv_len, 8) * d * e

@@ -24,9 +24,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from .. import device, online_softmax
-from . import _pallas_compat as compat
-from ._pallas_compat import pl
+from flashlab.contract import device
+from flashlab.ladder import online_softmax
+from flashlab.compat import pallas as compat
+from flashlab.compat.pallas import pl
 
 __all__ = ["minimal_flash_kernel", "minimal_flash_attention"]
 

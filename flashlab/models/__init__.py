@@ -14,12 +14,12 @@
 
 Needs ``flax`` (``pip install "flashlab[flax]"``).
 """
-from .corpus import KEY, PAD, key_seen, make_documents
-from .generation import generate, generate_without_cache, init_caches
-from .memory import forward_memories, forward_memory
-from .packing import Batch, pack, pad, unpack
-from .training import TrainConfig, train, train_model
-from .transformer import DocumentModel, ModelConfig
+from flashlab.models.corpus import KEY, PAD, key_seen, make_documents
+from flashlab.models.generation import generate, generate_without_cache, init_caches
+from flashlab.models.memory import forward_memories, forward_memory
+from flashlab.models.packing import Batch, pack, pad, unpack
+from flashlab.models.training import TrainConfig, train, train_model
+from flashlab.models.transformer import DocumentModel, ModelConfig
 
 __all__ = ["KEY", "PAD", "key_seen", "make_documents", "Batch", "pack", "pad", "unpack",
            "ModelConfig", "DocumentModel", "TrainConfig", "train", "train_model", "forward_memory",

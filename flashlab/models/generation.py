@@ -20,8 +20,8 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from ..kv_cache import KVCache
-from .transformer import DocumentModel
+from flashlab.serving.kv_cache import KVCache
+from flashlab.models.transformer import DocumentModel
 
 __all__ = ["generate", "generate_without_cache", "init_caches"]
 
@@ -46,7 +46,7 @@ def _check(model, prompt_tokens, max_new_tokens):
 
 def init_caches(model: DocumentModel, batch: int, max_len: int, *, page_size: int | None = None,
                 dtype=jnp.float32) -> list[KVCache]:
-    """One empty :class:`flashlab.kv_cache.KVCache` per block for ``batch`` rows of up to ``max_len`` tokens.
+    """One empty :class:`flashlab.serving.kv_cache.KVCache` per block for ``batch`` rows of up to ``max_len`` tokens.
 
     ``page_size=None``: contiguous ``[batch, max_len, heads, head_dim]``; otherwise paged,
     a pool of ``batch * ceil(max_len / page_size)`` pages.

@@ -21,7 +21,7 @@ __all__ = ["forward_memory", "forward_memories"]
 
 
 def _launch(backend, seq_len, cap_bytes, model_cfg, attention, seed):
-    from .transformer import ModelConfig
+    from flashlab.models.transformer import ModelConfig
     cfg = dataclasses.asdict(model_cfg or ModelConfig())
     if attention is not None:
         cfg["attention"] = attention
@@ -96,13 +96,13 @@ def _child(argv=None) -> None:
     p.add_argument("--config", required=True)
     a = p.parse_args(argv)
     resource.setrlimit(resource.RLIMIT_AS, (a.cap_bytes, a.cap_bytes))   # before jax loads
-    from ..measure import peak_rss_bytes
+    from flashlab.instruments.measure import peak_rss_bytes
     try:
         import jax
         import numpy as np
         from flax import nnx
 
-        from .transformer import DocumentModel, ModelConfig
+        from flashlab.models.transformer import DocumentModel, ModelConfig
 
         cfg = ModelConfig(**json.loads(a.config))
         model = DocumentModel(cfg, a.backend, rngs=nnx.Rngs(a.seed))

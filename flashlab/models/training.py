@@ -13,9 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .corpus import make_documents
-from .packing import Batch, pack
-from .transformer import DocumentModel, ModelConfig
+from flashlab.models.corpus import make_documents
+from flashlab.models.packing import Batch, pack
+from flashlab.models.transformer import DocumentModel, ModelConfig
 
 __all__ = ["TrainConfig", "sample_batch", "loss_fn", "adam_init", "adam_update", "train",
            "train_model"]

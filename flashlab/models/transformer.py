@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ..api import as_flax_attention_fn
+from flashlab.dispatch.api import as_flax_attention_fn
 
 __all__ = ["ModelConfig", "DocumentModel", "sinusoidal_positions"]
 

@@ -1,6 +1,6 @@
 """Figures for chapter 07 (the backward kernels). One function per figure, each returns a Figure.
 
-Every byte count comes from :mod:`flashlab.traffic` (the paper's model, and the replay of the
+Every byte count comes from :mod:`flashlab.instruments.traffic` (the paper's model, and the replay of the
 backward kernels' own BlockSpecs); the tile maps from :mod:`flashlab.kernels.blocks`.
 """
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from .. import traffic
+from flashlab.instruments import traffic
 
 __all__ = ["backward_traffic_figure", "backward_tile_map_figure", "loss_curves_figure"]
 
@@ -65,7 +65,7 @@ def backward_tile_map_figure(q_len: int = 512, kv_len: int = 512, *, block_q: in
     dK/dV kernel walks each column ``j`` over :func:`blocks.q_block_range`. Both cover the
     same tiles; pale ones are skipped with neither compute nor DMA (chapter 05's colours).
     """
-    from ..kernels import blocks as blk
+    from flashlab.kernels import blocks as blk
     plt = _plt()
     nq, nk = -(-q_len // block_q), -(-kv_len // block_k)
     rows = np.zeros((nq, nk))

@@ -5,7 +5,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .. import decode_traffic, roofline, traffic
+from flashlab.instruments import decode_traffic, roofline, traffic
 
 __all__ = ["decode_roofline_figure", "paged_cache_figure", "page_walk_figure",
            "decode_points"]

@@ -10,7 +10,7 @@ def vmem_vs_seq_len(seq_lens=(1024, 2048, 4096, 8192, 16384, 32768, 65536), head
                     dtype="bfloat16", chip: str = "v5e"):
     """VMEM per kernel instance vs sequence length: the GPU-style port (whole K/V row as one
     block) grows with N and crosses the chip's budget; flashlab's chosen blocks stay flat."""
-    from ..kernels import blocks, gpu_style
+    from flashlab.kernels import blocks, gpu_style
     budget = blocks.vmem_budget_bytes(chip)
     fig, ax = plt.subplots(figsize=(7, 3.5), dpi=90)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import matplotlib.pyplot as plt
 import numpy as np
 
-from .. import online_softmax as osm
+from flashlab.ladder import online_softmax as osm
 
 __all__ = ["online_softmax_trace", "online_softmax_figure", "draw_online_softmax_step"]
 

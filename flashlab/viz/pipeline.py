@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..kernels import blocks as blk
-from ..kernels.replay import replay_index_maps
+from flashlab.kernels import blocks as blk
+from flashlab.kernels.replay import replay_index_maps
 
 __all__ = ["pipeline_residency_figure", "block_skipping_figure", "forward_skip_table"]
 

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import comm_model, ring_layout
+from flashlab.instruments import comm_model
+from flashlab.scale import ring_layout
 
 
 def _plt():

@@ -4,8 +4,8 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 import numpy as np
 
-from ..reference import naive_hbm_bytes
-from ..tiled import tiled_hbm_bytes
+from flashlab.ladder.reference import naive_hbm_bytes
+from flashlab.ladder.tiled import tiled_hbm_bytes
 
 __all__ = ["traffic_figure"]
 

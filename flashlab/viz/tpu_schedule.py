@@ -1,4 +1,4 @@
-"""Figures of the TPU compiler's static schedule (:mod:`flashlab.tpu_schedule`)."""
+"""Figures of the TPU compiler's static schedule (:mod:`flashlab.instruments.tpu_schedule`)."""
 from __future__ import annotations
 
 import matplotlib.pyplot as plt

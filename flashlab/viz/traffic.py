@@ -1,7 +1,7 @@
 """Figures for chapter 06 (and the traffic panel of chapters 01, 03, 05, 07).
 
 One function per figure, each returns a matplotlib Figure. Inputs are sizes, not arrays:
-every number is computed by :mod:`flashlab.traffic` and :mod:`flashlab.roofline`.
+every number is computed by :mod:`flashlab.instruments.traffic` and :mod:`flashlab.instruments.roofline`.
 """
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from .. import roofline, traffic
+from flashlab.instruments import roofline, traffic
 
 __all__ = ["traffic_vs_seq_len_figure", "traffic_vs_block_size_figure", "roofline_figure",
            "tile_schedule_figure", "tile_schedule_frame", "explorer_figure"]
@@ -178,7 +178,7 @@ def _schedule_grid(seq_len, block_q, block_k, is_causal, head_dim, dtype):
 
 
 def tile_schedule_frame(ax, schedule, step: int, *, num_q_blocks: int, num_kv_blocks: int):
-    """Draw grid step ``step`` of a :func:`flashlab.traffic.tile_schedule` on ``ax``.
+    """Draw grid step ``step`` of a :func:`flashlab.instruments.traffic.tile_schedule` on ``ax``.
 
     The (i, j) score-tile grid: visited tiles grey, the current one dark, tiles the kernel
     skips (its K/V index does not follow j) hatched; Q_i / O_i on the left, K_j / V_j on top,

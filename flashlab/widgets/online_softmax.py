@@ -1,7 +1,7 @@
 """A stepper over the blocks of one row (static twin: ``flashlab.viz.online_softmax.online_softmax_figure``)."""
 from __future__ import annotations
 
-from ..viz.online_softmax import draw_online_softmax_step, online_softmax_trace
+from flashlab.viz.online_softmax import draw_online_softmax_step, online_softmax_trace
 
 
 def online_softmax_widget(scores, values, block: int = 8):

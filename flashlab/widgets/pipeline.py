@@ -4,7 +4,7 @@ Static figure beside it: :func:`flashlab.viz.pipeline.pipeline_residency_figure`
 """
 from __future__ import annotations
 
-from ..viz.pipeline import pipeline_residency_figure
+from flashlab.viz.pipeline import pipeline_residency_figure
 
 __all__ = ["pipeline_widget"]
 

@@ -1,7 +1,7 @@
 """A slider over the steps of ring attention (static twin: ``flashlab.viz.ring.ring_steps_figure``)."""
 from __future__ import annotations
 
-from ..viz.ring import draw_ring_step
+from flashlab.viz.ring import draw_ring_step
 
 
 def ring_widget(num_devices: int = 4, layout: str = "zigzag", *, is_causal: bool = True):

@@ -20,8 +20,8 @@ def tile_schedule_widget(*, seq_len: int = 512, block_q: int = 128, block_k: int
     Static counterpart: :func:`flashlab.viz.traffic.tile_schedule_figure`.
     """
     import matplotlib.pyplot as plt
-    from .. import traffic
-    from ..viz.traffic import tile_schedule_frame
+    from flashlab.instruments import traffic
+    from flashlab.viz.traffic import tile_schedule_frame
     widgets = _w()
     kg = traffic.kernel_grid("forward", batch=1, heads=1, seq_len=seq_len, head_dim=head_dim,
                              dtype=dtype, block_q=block_q, block_k=block_k, is_causal=is_causal)
@@ -52,8 +52,8 @@ def traffic_explorer(*, seq_len: int = 4096, head_dim: int = 128, block_q: int =
     Static counterpart: :func:`flashlab.viz.traffic.explorer_figure`.
     """
     import matplotlib.pyplot as plt
-    from .. import roofline
-    from ..viz.traffic import explorer_figure
+    from flashlab.instruments import roofline
+    from flashlab.viz.traffic import explorer_figure
     widgets = _w()
     pow2 = lambda lo, hi: [2**k for k in range(lo, hi + 1)]  # noqa: E731
     n = widgets.SelectionSlider(options=pow2(8, 15), value=seq_len, description="N")
