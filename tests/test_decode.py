@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 import flashlab
-from flashlab.serving.decode import decode_backends, oracle_decode_attention
+from flashlab.ladder.decode import oracle_decode_attention
+from flashlab.serving.decode import decode_backends
 
 from decode_cases import CASES, decode_case
 

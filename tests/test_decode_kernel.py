@@ -8,7 +8,8 @@ import pytest
 
 import flashlab
 from flashlab.contract import device
-from flashlab.serving.decode import oracle_decode_attention, validate_decode
+from flashlab.contract.decode_validate import validate_decode
+from flashlab.ladder.decode import oracle_decode_attention
 from flashlab.compat import pallas as compat
 from flashlab.kernels import decode as kdecode
 

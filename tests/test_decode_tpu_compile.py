@@ -8,7 +8,7 @@ import os
 import pytest
 
 from flashlab.instruments import tpu_compile
-from flashlab.kernels.decode import decode_step_case
+from flashlab.instruments.decode_cases import decode_step_case
 
 needs_libtpu = pytest.mark.skipif(
     not tpu_compile.available() and os.environ.get("FLASHLAB_REQUIRE_LIBTPU") != "1",
@@ -37,7 +37,7 @@ def test_decode_compiles_for_every_chip(chip):
 @pytest.mark.parametrize("chip", ["v5e", "v6e"])
 def test_official_paged_attention_compiles_on_the_same_shapes(chip):
     # the comparison case for static schedules (bench tpu-static): same decode step, both kernels
-    from flashlab.kernels.decode import official_paged_step_case
+    from flashlab.instruments.decode_cases import official_paged_step_case
     for case in (decode_step_case, official_paged_step_case):
         fn, args = case(batch=8, q_heads=32, kv_heads=4, pages_per_sequence=64)
         report = tpu_compile.compile(fn, *args, chip=chip)

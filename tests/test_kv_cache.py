@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flashlab.serving.decode import oracle_decode_attention
+from flashlab.ladder.decode import oracle_decode_attention
 from flashlab.serving.kv_cache import KVCache
 
 B, K, N, D = 3, 2, 4, 8

@@ -1,7 +1,7 @@
 """flashlab.instruments.roofline: the chip table and the time bound."""
 import pytest
 
-from flashlab.instruments import roofline
+from flashlab.instruments import io_model, roofline
 
 
 def test_every_chip_is_there_with_sane_numbers():
@@ -57,7 +57,7 @@ def test_time_bound_is_the_max_of_compute_and_memory():
 
 def test_flash_has_higher_intensity_and_a_lower_bound():
     for name in ("v5e", "v6e", "A100"):
-        p = roofline.algorithm_points(name, batch=4, heads=16, seq_len=4096, head_dim=128)
+        p = io_model.algorithm_points(name, batch=4, heads=16, seq_len=4096, head_dim=128)
         # standard ≈ d·e/2 FLOPs/byte (S, P in HBM); flash ≈ block_q (K, V once per row block)
         # (on the A100 the paper's model with 192 KB SRAM gives small blocks: only ~2x)
         factor = 5 if roofline.chip(name).kind == "tpu" else 1.5
@@ -75,7 +75,7 @@ def test_measured_points_from_bench_rows():
          "causal": True, "seconds": 2e-3, "flops_per_s": 5e12},
         {"backend": "broken"},                       # missing keys: skipped
     ]
-    pts = roofline.measured_points(rows, batch=1, heads=8)
+    pts = io_model.measured_points(rows, batch=1, heads=8)
     assert [p["backend"] for p in pts] == ["pallas_tpu", "xla"]
     assert pts[0]["intensity"] > pts[1]["intensity"] > 0
 

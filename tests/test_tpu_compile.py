@@ -74,7 +74,7 @@ def test_explicit_chip_wins_over_the_compile_target():
     with device.compile_target("v5p"):
         assert blk.resolve_chip() == "v5p" and blk.resolve_chip("v4") == "v4"
         assert device.platform() == "tpu"           # backends choose as on a TPU
-    assert blk.resolve_chip() == (blk.detect_chip() or blk.DEFAULT_CHIP)
+    assert blk.resolve_chip() == (device.detect_chip() or blk.DEFAULT_CHIP)
 
 
 def test_import_flashlab_does_not_load_libtpu():

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from jax.experimental import pallas as pl
 
-from flashlab.instruments import traffic
+from flashlab.instruments import io_model, traffic
 from flashlab.ladder.reference import naive_hbm_bytes
 
 
@@ -113,7 +113,7 @@ def test_non_causal_closed_form(N, bq, bk):
     B, H, d = 2, 3, 64
     kg = flash_forward_grid(B, H, N, d, bq, bk, dtype=jnp.bfloat16)
     r = traffic.replay(kg)
-    want = traffic.forward_closed_form_bytes(batch=B, heads=H, seq_len=N, head_dim=d,
+    want = io_model.forward_closed_form_bytes(batch=B, heads=H, seq_len=N, head_dim=d,
                                              dtype="bfloat16", block_q=bq)
     assert want == B * H * (2 + 2 * N // bq) * N * d * 2
     assert r["q"]["bytes"] + r["k"]["bytes"] + r["v"]["bytes"] + r["o"]["bytes"] == want
@@ -204,15 +204,15 @@ def test_interpret_mode_dmas_match_replay(monkeypatch):
 # ---------- the paper's model ----------
 
 def test_block_sizes_follow_algorithm_1():
-    assert traffic.flash_block_sizes(192 * 1024, 64, 2) == (64, 384)   # ceil(98304 / 256)
-    assert traffic.flash_block_sizes(1000, 64, 4) == (1, 1)            # ceil(250 / 256)
+    assert io_model.flash_block_sizes(192 * 1024, 64, 2) == (64, 384)   # ceil(98304 / 256)
+    assert io_model.flash_block_sizes(1000, 64, 4) == (1, 1)            # ceil(250 / 256)
     with pytest.raises(ValueError, match="sram_bytes"):
-        traffic.flash_block_sizes(0, 64, 2)
+        io_model.flash_block_sizes(0, 64, 2)
 
 
 def test_standard_reuses_naive_model():
     kw = dict(batch=2, heads=3, seq_len=128, head_dim=32)
-    std = traffic.analytic_hbm_bytes("standard", **kw, bytes_per_element=2)
+    std = io_model.analytic_hbm_bytes("standard", **kw, bytes_per_element=2)
     nv = naive_hbm_bytes(batch=2, heads=3, q_len=128, kv_len=128, head_dim=32,
                          bytes_per_element=2, score_bytes=2)
     assert std["total"] == nv["total"] and std["backward"] == 0
@@ -220,16 +220,16 @@ def test_standard_reuses_naive_model():
 
 def test_flash_model_scales_as_n2_d2_over_m():
     kw = dict(batch=1, heads=1, head_dim=64, bytes_per_element=2)
-    small = traffic.analytic_hbm_bytes("flash", seq_len=8192, sram_bytes=64 * 1024, **kw)
-    big = traffic.analytic_hbm_bytes("flash", seq_len=8192, sram_bytes=256 * 1024, **kw)
+    small = io_model.analytic_hbm_bytes("flash", seq_len=8192, sram_bytes=64 * 1024, **kw)
+    big = io_model.analytic_hbm_bytes("flash", seq_len=8192, sram_bytes=256 * 1024, **kw)
     # dominant per-outer-step term is ∝ T_c = N / B_c ∝ 1 / M
     assert small["fwd_q_o_per_outer_step"] == pytest.approx(4 * big["fwd_q_o_per_outer_step"])
-    std = traffic.analytic_hbm_bytes("standard", seq_len=8192, **kw)
+    std = io_model.analytic_hbm_bytes("standard", seq_len=8192, **kw)
     assert small["total"] < std["total"]
 
 
 def test_paper_table_within_2x_and_ratio():
-    rows = {r["algorithm"]: r for r in traffic.paper_gpt2_table()}
+    rows = {r["algorithm"]: r for r in io_model.paper_gpt2_table()}
     for r in rows.values():
         assert 0.5 <= r["model_over_paper"] <= 2.0, r
     assert rows["standard"]["model_hbm_gb"] / rows["flash"]["model_hbm_gb"] >= 5
@@ -237,13 +237,13 @@ def test_paper_table_within_2x_and_ratio():
 
 def test_bad_arguments_name_themselves():
     with pytest.raises(ValueError, match="algorithm"):
-        traffic.analytic_hbm_bytes("tiled", batch=1, heads=1, seq_len=8, head_dim=8,
+        io_model.analytic_hbm_bytes("tiled", batch=1, heads=1, seq_len=8, head_dim=8,
                                    bytes_per_element=2)
     with pytest.raises(ValueError, match="sram_bytes"):
-        traffic.analytic_hbm_bytes("flash", batch=1, heads=1, seq_len=8, head_dim=8,
+        io_model.analytic_hbm_bytes("flash", batch=1, heads=1, seq_len=8, head_dim=8,
                                    bytes_per_element=2)
     with pytest.raises(ValueError, match="seq_len"):
-        traffic.analytic_hbm_bytes("standard", batch=1, heads=1, seq_len=0, head_dim=8,
+        io_model.analytic_hbm_bytes("standard", batch=1, heads=1, seq_len=0, head_dim=8,
                                    bytes_per_element=2)
     with pytest.raises(ValueError, match="method"):
         traffic.replay(flash_forward_grid(1, 1, 8, 8, 8, 8), method="fast")

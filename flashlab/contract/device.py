@@ -49,6 +49,24 @@ def tpu_interpret_params(*, detect_races: bool = True, uninitialized_memory: str
                                  uninitialized_memory=uninitialized_memory, **kw)
 
 
+def chip_from_device_kind(kind: str) -> str | None:
+    """The generation name of a ``device_kind`` ("TPU v5 lite" -> ``"v5e"``), ``None`` if unknown."""
+    kind = kind.lower()
+    for name, pat in (("v5e", "v5 lite"), ("v5e", "v5e"), ("v6e", "v6"), ("v5p", "v5"),
+                      ("v4i", "v4 lite"), ("v4", "v4"), ("v3", "v3"), ("v2", "v2"), ("7x", "7")):
+        if pat in kind:
+            return name
+    return None
+
+
+def detect_chip() -> str | None:
+    """The TPU generation name (``"v5e"``...) of the default device, or ``None`` off-TPU."""
+    dev = jax.devices()[0]
+    if dev.platform != "tpu":
+        return None
+    return chip_from_device_kind(dev.device_kind)
+
+
 _TARGET = contextvars.ContextVar("flashlab_compile_target", default=None)
 
 
@@ -69,7 +87,6 @@ def compile_target(chip: str | None):
 
 def _mesh_chip() -> str | None:
     """The TPU generation of the (abstract) mesh being traced under, if it carries one."""
-    from flashlab.kernels.blocks import chip_from_device_kind
     try:
         dev = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
     except Exception:  # pragma: no cover - JAX without abstract meshes
@@ -86,7 +103,6 @@ def target_chip() -> str | None:
     (``jax.sharding.use_mesh`` / ``jax.set_mesh``); this host's TPU. An explicit ``chip=``
     given to a kernel wins over all of them (:func:`flashlab.kernels.blocks.resolve_chip`).
     """
-    from flashlab.kernels.blocks import detect_chip
     return _TARGET.get() or _mesh_chip() or detect_chip()
 
 

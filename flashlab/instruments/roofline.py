@@ -15,10 +15,10 @@ only a cross-check (:func:`jax_cross_check`): it never replaces a public figure 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterable, Mapping
+from typing import Any, Mapping
 
 __all__ = ["Chip", "chips", "chip", "CHIP_NAMES", "arithmetic_intensity", "time_bound",
-           "algorithm_points", "measured_points", "jax_cross_check"]
+           "jax_cross_check"]
 
 SCALING_BOOK = "https://jax-ml.github.io/scaling-book/tpus/"
 
@@ -204,76 +204,3 @@ def time_bound(flops: float, hbm_bytes: float, chip_: Chip | str, *, dtype="bflo
     return {"seconds": max(compute, memory), "compute_s": compute, "memory_s": memory,
             "intensity": arithmetic_intensity(flops, hbm_bytes),
             "bound": "compute" if compute >= memory else "memory"}
-
-
-def algorithm_points(chip_: Chip | str, *, batch: int, heads: int, seq_len: int,
-                     head_dim: int, dtype="bfloat16", backward: bool = False,
-                     block_q: int | None = None, is_causal: bool = False
-                     ) -> dict[str, dict[str, float]]:
-    """Standard and flash attention placed on ``chip_``'s roofline.
-
-    Standard attention: the paper's model (:func:`flashlab.instruments.traffic.analytic_hbm_bytes`).
-    Flash attention on a TPU: the forward kernel's schedule ``(2 + 2N/block_q)·N·d`` bytes
-    (``block_q`` default: 512 capped at N), or on a GPU the paper's model with the chip's
-    SRAM. Causal halves the FLOPs (and the flash K/V traffic). Returns per algorithm
-    ``{"flops", "bytes", "intensity", "seconds", "bound", "flops_per_s"}`` where
-    ``flops_per_s`` is the attainable rate ``flops / seconds``.
-    """
-    import jax.numpy as jnp
-    from flashlab.instruments import traffic
-    c = chip(chip_) if isinstance(chip_, str) else chip_
-    e = jnp.dtype(dtype).itemsize
-    size = dict(batch=batch, heads=heads, seq_len=seq_len, head_dim=head_dim)
-    frac = 0.5 if is_causal else 1.0
-    out = {}
-    std = traffic.analytic_hbm_bytes("standard", **size, bytes_per_element=e,
-                                     backward=backward, masked=is_causal)["total"]
-    if c.kind == "tpu" and not backward:
-        bq = min(block_q or 512, seq_len)
-        nqb = -(-seq_len // bq)
-        fl = batch * heads * (2 * seq_len * head_dim + 2 * nqb * seq_len * head_dim * frac) * e
-    else:
-        fl = traffic.analytic_hbm_bytes("flash", **size, bytes_per_element=e,
-                                        sram_bytes=min(c.vmem_bytes, 16 * 2**20),
-                                        backward=backward)["total"]
-    for alg, b in (("standard", std), ("flash", fl)):
-        f = traffic.attention_flops(alg, **size, backward=backward,
-                                    causal_fraction=frac if alg == "flash" else 1.0)
-        tb = time_bound(f, b, c, dtype=dtype)
-        out[alg] = {"flops": float(f), "bytes": float(b), "intensity": tb["intensity"],
-                    "seconds": tb["seconds"], "bound": tb["bound"],
-                    "flops_per_s": f / tb["seconds"]}
-    return out
-
-
-def measured_points(rows: Iterable[Mapping[str, Any]], *, batch: int | None = None,
-                    heads: int | None = None) -> list[dict[str, Any]]:
-    """Place bench CLI rows (``python -m flashlab bench --json``) on the roofline.
-
-    Each row needs ``backend, seq_len, head_dim, dtype, causal, seconds, flops_per_s``;
-    rows may carry ``batch``/``heads`` (else the arguments). Returns rows with the measured
-    ``flops_per_s`` and an ``intensity`` computed from the forward flash schedule's bytes
-    for tiled/kernel backends and from the standard model for the rest. Rows missing a key
-    are skipped.
-    """
-    import jax.numpy as jnp
-    from flashlab.instruments import traffic
-    need = ("backend", "seq_len", "head_dim", "dtype", "seconds", "flops_per_s")
-    out = []
-    for r in rows:
-        if any(k not in r for k in need):
-            continue
-        B = int(r.get("batch", batch or 1))
-        H = int(r.get("heads", heads or 1))
-        N, d = int(r["seq_len"]), int(r["head_dim"])
-        e = jnp.dtype(r["dtype"]).itemsize
-        flops = float(r["flops_per_s"]) * float(r["seconds"])
-        if any(s in str(r["backend"]) for s in ("pallas", "flash", "splash", "tiled")):
-            byt = traffic.forward_closed_form_bytes(batch=B, heads=H, seq_len=N, head_dim=d,
-                                                    dtype=r["dtype"],
-                                                    block_q=int(r.get("block_q", min(512, N))))
-        else:
-            byt = traffic.analytic_hbm_bytes("standard", batch=B, heads=H, seq_len=N,
-                                             head_dim=d, bytes_per_element=e)["total"]
-        out.append({**dict(r), "intensity": flops / byt, "bytes": byt})
-    return out

@@ -42,7 +42,6 @@ import jax
 import numpy as np
 
 from flashlab.contract import device
-from flashlab.kernels import blocks as _blocks
 
 __all__ = ["CHIPS", "CompileReport", "CompileError", "LibtpuMissingError", "available",
            "require", "devices", "mesh", "compile", "versions", "pallas_calls"]
@@ -270,7 +269,7 @@ def compile(fn: Callable, *args, chip: str = "v5e", num_devices: int = 1, in_sha
         return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s)
 
     avals = jax.tree_util.tree_map(abstract, args, in_shardings)
-    target = _blocks.chip_from_device_kind(devs[0].device_kind) or chip
+    target = device.chip_from_device_kind(devs[0].device_kind) or chip
     jitted = jax.jit(functools.partial(fn, **static_kwargs) if static_kwargs else fn)
     report = CompileReport(chip=chip, ok=False, libtpu_version=versions()["libtpu"])
     with _target(target):

@@ -24,10 +24,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from flashlab.compat import pallas as compat
+from flashlab.contract import device
 
 __all__ = ["LANES", "SUBLANES", "VMEM_BYTES", "sublane_tile", "round_up", "lane_pad",
            "vmem_capacity_bytes", "vmem_budget_bytes", "vmem_bytes", "choose_block_sizes",
-           "check_block_sizes", "kv_block_range", "detect_chip", "chip_from_device_kind",
+           "check_block_sizes", "kv_block_range",
            "resolve_chip", "vmem_limit_bytes"]
 
 LANES = 128
@@ -59,25 +60,6 @@ def sublane_tile(dtype) -> int:
     return SUBLANES * max(1, 4 // jnp.dtype(dtype).itemsize)
 
 
-def chip_from_device_kind(kind: str) -> str | None:
-    """The generation name of a ``device_kind`` ("TPU v5 lite" -> ``"v5e"``), ``None`` if unknown."""
-    kind = kind.lower()
-    for name, pat in (("v5e", "v5 lite"), ("v5e", "v5e"), ("v6e", "v6"), ("v5p", "v5"),
-                      ("v4i", "v4 lite"), ("v4", "v4"), ("v3", "v3"), ("v2", "v2"), ("7x", "7")):
-        if pat in kind:
-            return name
-    return None
-
-
-def detect_chip() -> str | None:
-    """The TPU generation name (``"v5e"``...) of the default device, or ``None`` off-TPU."""
-    import jax
-    dev = jax.devices()[0]
-    if dev.platform != "tpu":
-        return None
-    return chip_from_device_kind(dev.device_kind)
-
-
 def resolve_chip(chip: str | None = None) -> str:
     """The TPU generation the kernels are built for: ``chip`` if given, else the compile target.
 
@@ -86,7 +68,6 @@ def resolve_chip(chip: str | None = None) -> str:
     target, or the TPU devices of the mesh being traced under); this host's TPU; ``v5e``.
     """
     if chip is None:
-        from flashlab.contract import device
         chip = device.target_chip() or DEFAULT_CHIP
     name = str(chip).lower().removeprefix("tpu").removeprefix("_").strip() or DEFAULT_CHIP
     if name not in VMEM_BYTES:

@@ -9,7 +9,7 @@ the pool: no gather is materialised in HBM. A page outside the range the sequenc
 does not change, so the pipeline copies nothing, and ``pl.when`` skips the compute.
 
 **Head folding.** The ``G`` query heads of a kv head, times the ``new_tokens``, are the rows
-of one query tile ``[T*G, d]`` (:func:`flashlab.serving.decode.fold_heads`), so one K/V page serves
+of one query tile ``[T*G, d]`` (:func:`flashlab.ladder.decode.fold_heads`), so one K/V page serves
 all of them: every byte of the visible cache is read once per step, not once per query head.
 
 **Split-K (flash-decoding).** A long cache with a small batch leaves most of a chip idle if
@@ -27,17 +27,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flashlab.contract import device, masks
+from flashlab.contract import masks
 from flashlab.ladder import online_softmax
 from flashlab.contract.decode_validate import DecodeSpec
 from flashlab.compat import pallas as compat
+from flashlab.ladder.decode import fold_heads, paged_view, sink_state, unfold_heads
 from flashlab.kernels import blocks as blk
 from flashlab.compat.pallas import pl
 from flashlab.kernels.forward import ForwardGridSpec
 
 __all__ = ["DecodeConfig", "DecodeGridSpec", "make_decode_config", "decode_grid_spec",
            "pallas_decode", "decode_call", "choose_num_splits", "SPLIT_MIN_POSITIONS",
-           "decode_step_case", "official_paged_step_case", "decode_vmem_bytes"]
+           "decode_vmem_bytes"]
 
 # Flash-decoding: split the kv axis only when each split still walks at least this many
 # positions, and only until batch * splits reaches PARALLEL_TARGET independent grid rows
@@ -280,7 +281,6 @@ def decode_call(cfg: DecodeConfig, interpret=False):
 
 def prepare(cfg: DecodeConfig, query, table, spec: DecodeSpec):
     """Public operands -> the kernel's: folded, row-padded q and the flat padded table."""
-    from flashlab.serving.decode import fold_heads
     q = fold_heads(query, spec)
     q = jnp.pad(q, ((0, 0), (0, 0), (0, cfg.rows - q.shape[2]), (0, 0)))
     table = jnp.pad(table, ((0, 0), (0, cfg.table_width - table.shape[1])))
@@ -289,7 +289,6 @@ def prepare(cfg: DecodeConfig, query, table, spec: DecodeSpec):
 
 @functools.partial(jax.jit, static_argnames=("cfg", "interpret"))
 def _decode(query, k_pages, v_pages, table, spec, *, cfg: DecodeConfig, interpret):
-    from flashlab.serving.decode import sink_state, unfold_heads
     q, flat = prepare(cfg, query, table, spec)
     m, l, acc = decode_call(cfg, interpret)(spec.lengths, flat, q, k_pages, v_pages)
     TG = cfg.new_tokens * cfg.group_size
@@ -308,7 +307,6 @@ def pallas_decode(query, k_cache, v_cache, spec: DecodeSpec, *, interpret=None,
     A contiguous cache runs as pages of up to ``block_k`` positions (a free reshape).
     ``num_splits``: flash-decoding splits of the kv axis (default :func:`choose_num_splits`).
     """
-    from flashlab.serving.decode import paged_view
     from flashlab.kernels.forward import _resolve_interpret
     if jnp.dtype(spec.dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
         raise TypeError(f"query: the pallas_tpu decode kernel takes float32 or bfloat16, got "
@@ -316,56 +314,3 @@ def pallas_decode(query, k_cache, v_cache, spec: DecodeSpec, *, interpret=None,
     kp, vp, table, ps = paged_view(k_cache, v_cache, spec, block_k)
     cfg = make_decode_config(spec, ps, table.shape[1], kp.shape[0], num_splits=num_splits)
     return _decode(query, kp, vp, table, spec, cfg=cfg, interpret=_resolve_interpret(interpret))
-
-
-def decode_step_case(*, batch: int = 8, q_heads: int = 32, kv_heads: int = 4,
-                     head_dim: int = 128, page_size: int = 16, pages_per_sequence: int = 256,
-                     new_tokens: int = 1, dtype="bfloat16", window: int | None = None,
-                     soft_cap: float | None = None, sinks: bool = False):
-    """``(fn, args)``: one decode step through the compiled kernel, for the TPU compiler.
-
-    ``fn(query, k_pages, v_pages, cache_lengths, page_table[, sinks])`` is
-    :func:`flashlab.decode_attention` with ``backend="pallas_tpu", interpret=False`` (the
-    kernel plus the split-K merge); ``args`` are ``jax.ShapeDtypeStruct`` s of a paged cache
-    holding ``batch * pages_per_sequence`` pages. What ``tpu_compile.compile(fn, *args,
-    chip=...)`` and ``bench tpu-static`` lower.
-    """
-    from flashlab.serving.decode import decode_attention
-    dt = jnp.dtype(dtype)
-    sds = jax.ShapeDtypeStruct
-    pages = batch * pages_per_sequence
-    args = [sds((batch, new_tokens, q_heads, head_dim), dt),
-            sds((pages, page_size, kv_heads, head_dim), dt),
-            sds((pages, page_size, kv_heads, head_dim), dt),
-            sds((batch,), jnp.int32), sds((batch, pages_per_sequence), jnp.int32)]
-    if sinks:
-        args.append(sds((q_heads,), jnp.float32))
-
-    def fn(query, k_pages, v_pages, cache_lengths, page_table, sinks=None):
-        return decode_attention(query, k_pages, v_pages, cache_lengths=cache_lengths,
-                                page_table=page_table, local_window_size=window,
-                                logits_soft_cap=soft_cap, sinks=sinks, backend="pallas_tpu",
-                                interpret=False)
-    return fn, tuple(args)
-
-
-def official_paged_step_case(*, batch: int = 8, q_heads: int = 32, kv_heads: int = 4,
-                             head_dim: int = 128, page_size: int = 16,
-                             pages_per_sequence: int = 256, dtype="bfloat16",
-                             pages_per_compute_block: int = 8):
-    """``(fn, args)``: the same decode step through the official ``paged_attention`` kernel
-    (its layout: ``q [batch, q_heads, d]``, pages ``[kv_heads, num_pages, page_size, d]``), for
-    side-by-side compiles and static schedules with :func:`decode_step_case`."""
-    pa = compat.official_paged_attention()
-    dt = jnp.dtype(dtype)
-    sds = jax.ShapeDtypeStruct
-    pages = batch * pages_per_sequence
-    args = (sds((batch, q_heads, head_dim), dt),
-            sds((kv_heads, pages, page_size, head_dim), dt),
-            sds((kv_heads, pages, page_size, head_dim), dt),
-            sds((batch,), jnp.int32), sds((batch, pages_per_sequence), jnp.int32))
-
-    def fn(q, k_pages, v_pages, lengths, page_indices):
-        return pa.paged_attention(q, k_pages, v_pages, lengths, page_indices,
-                                  pages_per_compute_block=pages_per_compute_block)
-    return fn, args

@@ -9,7 +9,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from flashlab.instruments import traffic
+from flashlab.instruments import io_model, traffic
 
 __all__ = ["backward_traffic_figure", "backward_tile_map_figure", "loss_curves_figure"]
 
@@ -33,9 +33,9 @@ def backward_traffic_figure(seq_lens: Sequence[int] = (512, 1024, 2048, 4096, 81
     plt = _plt()
     e = jnp.dtype(dtype).itemsize
     n = [int(x) for x in seq_lens]
-    std = [traffic.analytic_hbm_bytes("standard", batch=1, heads=1, seq_len=x, head_dim=head_dim,
+    std = [io_model.analytic_hbm_bytes("standard", batch=1, heads=1, seq_len=x, head_dim=head_dim,
                                       bytes_per_element=e, backward=True)["backward"] for x in n]
-    fl = [traffic.analytic_hbm_bytes("flash", batch=1, heads=1, seq_len=x, head_dim=head_dim,
+    fl = [io_model.analytic_hbm_bytes("flash", batch=1, heads=1, seq_len=x, head_dim=head_dim,
                                      bytes_per_element=e, sram_bytes=sram_bytes,
                                      backward=True)["backward"] for x in n]
     kern = [traffic.kernel_hbm_bytes("backward", batch=1, heads=1, seq_len=x, head_dim=head_dim,

@@ -9,7 +9,7 @@ from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from flashlab.instruments import roofline, traffic
+from flashlab.instruments import io_model, roofline, traffic
 
 __all__ = ["traffic_vs_seq_len_figure", "traffic_vs_block_size_figure", "roofline_figure",
            "tile_schedule_figure", "tile_schedule_frame", "explorer_figure"]
@@ -32,7 +32,7 @@ def _kernel_bytes(N, d, dtype, block_q, block_k, is_causal, batch=1, heads=1):
                                         head_dim=d, dtype=dtype, block_q=min(block_q, N),
                                         block_k=min(block_k, N), is_causal=is_causal)["total"]
     except (NotImplementedError, ValueError):
-        return traffic.forward_closed_form_bytes(batch=batch, heads=heads, seq_len=N,
+        return io_model.forward_closed_form_bytes(batch=batch, heads=heads, seq_len=N,
                                                  head_dim=d, dtype=dtype,
                                                  block_q=min(block_q, N))
 
@@ -49,9 +49,9 @@ def traffic_vs_seq_len_figure(seq_lens: Sequence[int] = (512, 1024, 2048, 4096, 
     plt = _plt()
     e = _itemsize(dtype)
     n = np.asarray(seq_lens)
-    std = [traffic.analytic_hbm_bytes("standard", batch=1, heads=1, seq_len=int(x),
+    std = [io_model.analytic_hbm_bytes("standard", batch=1, heads=1, seq_len=int(x),
                                       head_dim=head_dim, bytes_per_element=e)["total"] for x in n]
-    fl = [traffic.analytic_hbm_bytes("flash", batch=1, heads=1, seq_len=int(x),
+    fl = [io_model.analytic_hbm_bytes("flash", batch=1, heads=1, seq_len=int(x),
                                      head_dim=head_dim, bytes_per_element=e,
                                      sram_bytes=sram_bytes)["total"] for x in n]
     kern = [_kernel_bytes(int(x), head_dim, dtype, block_q, block_k, is_causal) for x in n]
@@ -146,7 +146,7 @@ def roofline_figure(chips: Iterable[str] = ("v5e", "v6e", "7x"), *, batch: int =
         peak = c.peak_flops(dtype)
         ax.loglog(x, np.minimum(peak, x * c.hbm_bytes_per_s), color=color, lw=1.5,
                   label=f"{name}: {peak / 1e12:.0f} TFLOP/s, {c.hbm_bytes_per_s / 1e12:.2f} TB/s")
-        pts = roofline.algorithm_points(name, batch=batch, heads=heads, seq_len=seq_len,
+        pts = io_model.algorithm_points(name, batch=batch, heads=heads, seq_len=seq_len,
                                         head_dim=head_dim, dtype=dtype, block_q=block_q,
                                         is_causal=is_causal)
         for alg, p in pts.items():
@@ -156,7 +156,7 @@ def roofline_figure(chips: Iterable[str] = ("v5e", "v6e", "7x"), *, batch: int =
         ax.plot([], [], m, color="gray", mec="k", label=f"{alg} attention (bound)")
     if measured:
         mc = measured_chip or chips[0]
-        pts = roofline.measured_points(measured, batch=batch, heads=heads)
+        pts = io_model.measured_points(measured, batch=batch, heads=heads)
         if pts:
             ax.loglog([p["intensity"] for p in pts], [p["flops_per_s"] for p in pts], "x",
                       color="k", ms=8, label=f"measured ({mc})")
@@ -260,12 +260,12 @@ def explorer_figure(*, seq_len: int = 4096, head_dim: int = 128, block_q: int = 
                              block_k=block_k, is_causal=is_causal)
     r = traffic.replay(kg)
     ops = [o.name for o in kg.operands]
-    std = traffic.analytic_hbm_bytes("standard", batch=batch, heads=heads, seq_len=seq_len,
+    std = io_model.analytic_hbm_bytes("standard", batch=batch, heads=heads, seq_len=seq_len,
                                      head_dim=head_dim, bytes_per_element=e,
                                      masked=is_causal)["total"]
     vmem = traffic.pipeline_vmem_bytes(kg)
     frac = 0.5 if is_causal else 1.0
-    flops = traffic.attention_flops("flash", batch=batch, heads=heads, seq_len=seq_len,
+    flops = io_model.attention_flops("flash", batch=batch, heads=heads, seq_len=seq_len,
                                     head_dim=head_dim, causal_fraction=frac)
     tb = roofline.time_bound(flops, r["total"]["bytes"], c, dtype=dtype)
     fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(9, 3.0), dpi=90,

@@ -1,0 +1,131 @@
+"""``flash_attention``: the forward kernel and the backward kernels joined by ``jax.custom_vjp``.
+
+The forward (:mod:`flashlab.kernels.forward`, chapter 05) saves ``O`` and ``lse [B, N, T]``;
+the backward (:mod:`flashlab.kernels.backward`, chapter 07) recomputes each tile's
+probabilities from them. This module is the only one that imports both, so neither imports
+the other's caller.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from flashlab.compat.shard_map import in_manual_mesh, pvary, vma_of
+from flashlab.contract import masks
+from flashlab.contract.masks import AttentionSpec
+from flashlab.kernels import backward
+from flashlab.kernels import forward as fwd
+from flashlab.ladder import online_softmax
+
+__all__ = ["flash_attention", "flash_attention_from_spec"]
+
+
+def _attention_impl(query, key, value, spec, cfg, bwd_cfg, interpret):
+    return fwd._forward(query, key, value, spec, cfg=cfg, interpret=interpret)[0]
+
+
+# Two registrations of one rule. ``_attention`` asks for symbolic zeros, so the backward knows
+# whether the bias is differentiated (a constant bias, e.g. ALiBi, gets no [B, N, T, S] dS
+# written). JAX does not implement symbolic zeros inside shard_map, so there
+# ``_attention_manual`` is used: it treats a bias as differentiated (its cotangent is dropped
+# by the caller when it is not).
+_attention = jax.custom_vjp(_attention_impl, nondiff_argnums=(4, 5, 6))
+_attention_manual = jax.custom_vjp(_attention_impl, nondiff_argnums=(4, 5, 6))
+
+
+def _attention_fwd(query, key, value, spec, cfg, bwd_cfg, interpret):
+    # symbolic_zeros=True: every array leaf arrives as CustomVJPPrimal(value, perturbed), so
+    # the backward knows whether the bias is differentiated (a constant bias gets no dS).
+    is_primal = lambda x: isinstance(x, jax.custom_derivatives.CustomVJPPrimal)  # noqa: E731
+    if is_primal(query):
+        with_dbias = spec.bias is not None and bool(spec.bias.perturbed)
+        query, key, value, spec = jax.tree_util.tree_map(
+            lambda x: x.value, (query, key, value, spec), is_leaf=is_primal)
+    else:                                                 # _attention_manual
+        with_dbias = spec.bias is not None
+    # Differentiated: also emit lse [B, N, T] (O(N)), the only residual besides the inputs/O.
+    out, lse = fwd._forward(query, key, value, spec,
+                            cfg=dataclasses.replace(cfg, return_lse=True), interpret=interpret)
+    flag = jnp.zeros((0,), jnp.float32) if with_dbias else None     # static, in the structure
+    return out, (query, key, value, spec, out, lse, flag)
+
+
+def _attention_bwd(cfg, bwd_cfg, interpret, residuals, d_out):
+    query, key, value, spec, out, lse, flag = residuals
+    if isinstance(d_out, jax.custom_derivatives.SymbolicZero):
+        d_out = jnp.zeros(d_out.shape, d_out.dtype)
+    dq, dk, dv, dbias = backward._backward(query, key, value, spec, out, lse, d_out,
+                                           cfg=bwd_cfg, interpret=interpret,
+                                           with_dbias=flag is not None)
+    # The spec's cotangent: dBias for the bias, symbolic zeros (None) for masks and lengths.
+    d_spec = jax.tree_util.tree_map(lambda _: None, spec)
+    if dbias is not None:
+        d_spec = dataclasses.replace(d_spec, bias=dbias)
+    if spec.sinks is not None:   # O and lse include the sink, so the kernels' dQ/dK/dV hold
+        d_spec = dataclasses.replace(d_spec, sinks=_sink_grad(spec.sinks, out, lse, d_out))
+    return dq, dk, dv, d_spec
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
+_attention_manual.defvjp(_attention_fwd, _attention_bwd)
+
+
+def _sink_grad(sinks, out, lse, d_out):
+    """``dsinks [N]``: ``-sum_{b,i} exp(sink - lse) D_i`` (an O(N·d) XLA fusion, no kernel)."""
+    di = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)   # [B, T, N]
+    d = online_softmax.sink_grad(sinks[None, :, None], lse, jnp.swapaxes(di, 1, 2))  # [B, N]
+    return jnp.sum(d, axis=0).astype(sinks.dtype)
+
+
+def flash_attention_from_spec(query, key, value, spec: AttentionSpec, *, block_q=None,
+                              block_k=None, interpret=None, chip=None):
+    """The forward kernel on already validated inputs (what the backend registry calls)."""
+    cfg = fwd.make_config(spec, block_q=block_q, block_k=block_k, chip=chip)
+    bwd_cfg = backward.make_backward_config(spec, block_q=block_q, block_k=block_k, chip=chip)
+    f = _attention_manual if in_manual_mesh() else _attention
+    # Inside shard_map: every operand varies over the same mesh axes, so each cotangent has
+    # its primal's type (JAX sums a replicated input's cotangent outside, as for any op).
+    query, key, value, spec = pvary((query, key, value, spec), vma_of(query, key, value, spec))
+    return f(query, key, value, spec, cfg, bwd_cfg, fwd._resolve_interpret(interpret))
+
+
+def flash_attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
+                    query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
+                    segment_ids=None, logits_soft_cap=None, block_q=None, block_k=None,
+                    interpret=None, chip=None, sinks=None):
+    """FlashAttention forward as a Pallas TPU kernel.
+
+    Same arguments, semantics and validation as :func:`flashlab.ladder.reference.naive_attention`
+    (layout ``[batch, seq, heads, head_dim]``; float32 or bfloat16; any lengths; GQA/MQA),
+    plus:
+
+      block_q, block_k: B_r and B_c. Default: :func:`flashlab.kernels.choose_block_sizes` for
+        this TPU generation. block_q must be a multiple of the sublane tile (8 fp32, 16 bf16,
+        32 with a mask), block_k of 128, and the blocks must fit the VMEM budget; otherwise
+        ``ValueError`` naming the argument.
+      interpret: ``None`` (compiled with Mosaic on a TPU, the generic interpreter elsewhere),
+        ``True``/``False``, or a ``pltpu.InterpretParams`` (TPU interpret mode).
+      chip: the TPU generation ("v4", "v5e", "v5p", "v6e", "7x") whose VMEM sizes the default
+        blocks, the VMEM check and the compiled kernel's ``vmem_limit_bytes``, forward and
+        backward. ``None`` (default) reads the compile target: the chip
+        :func:`flashlab.instruments.tpu_compile.compile` compiles for, or the TPU devices of the mesh being
+        traced under, else this host's TPU, else ``v5e``. An explicit ``chip`` wins.
+      sinks: optional float ``[heads]`` sink logits, merged into each row's state at the
+        last kv step (``online_softmax.sink_state``); differentiable.
+
+    Returns ``[batch, q_seq, heads, head_dim_v]`` in the query's dtype (fp32 accumulation).
+    Rows with no visible key are zeros, with zero gradients. Differentiable (``jax.grad``
+    w.r.t. query, key, value and bias) through the backward kernels of
+    :mod:`flashlab.kernels.backward` (chapter 07); the backward's block sizes are
+    ``block_q``/``block_k`` when they fit its VMEM estimate, else
+    :func:`flashlab.kernels.blocks.choose_backward_block_sizes`.
+    """
+    query, key, value, spec = masks.validate(
+        query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+        query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+        local_window_size=local_window_size, segment_ids=segment_ids,
+        logits_soft_cap=logits_soft_cap, sinks=sinks)
+    return flash_attention_from_spec(query, key, value, spec, block_q=block_q, block_k=block_k,
+                                     interpret=interpret, chip=chip)
