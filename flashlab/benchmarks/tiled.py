@@ -124,7 +124,7 @@ def tile_matmuls_only(q, k, v, block_q: int | None = None, block_k: int | None =
     import jax
     import jax.numpy as jnp
 
-    from flashlab.ladder.tiled import _block_sizes
+    from flashlab.ladder.tiled_schedule import block_sizes as _block_sizes
 
     B, T, H, d = q.shape
     bq, bk = _block_sizes(block_q, block_k, T, T)          # the tiled rung's own choice
@@ -333,7 +333,7 @@ def _rate(r, call: str = "") -> float:
 
 
 def _blocks(r) -> str:
-    from flashlab.ladder.tiled import _block_sizes
+    from flashlab.ladder.tiled_schedule import block_sizes as _block_sizes
     bq, bk = _block_sizes(r.get("block_q"), r.get("block_k"), r["n"], r["n"])
     return f"{bq}x{bk}"
 

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flashlab.contract import masks
+from flashlab.contract import checks, masks
 
 __all__ = ["DecodeSpec", "validate_decode", "DECODE_FEATURES"]
 
@@ -238,7 +238,7 @@ def validate_decode(query, k_cache, v_cache, *, cache_lengths, page_table=None, 
     scale = 1.0 / math.sqrt(D) if scale is None else _float_scalar("scale", scale)
     if logits_soft_cap is not None:
         logits_soft_cap = _float_scalar("logits_soft_cap", logits_soft_cap, positive=True)
-    window = masks._check_window(local_window_size)
+    window = checks.window(local_window_size)
     window = None if window is None else window[0]   # right side: moot under causality
     if sinks is not None:
         _check_array("sinks", sinks, 1, f"[q_heads] = [{N}]")
