@@ -12,12 +12,9 @@ lazily so that this module imports on any branch.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import inspect
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from flashlab.contract import device
 from flashlab.contract.masks import AttentionSpec
@@ -88,14 +85,6 @@ def _and_masks(a, b):
     return a & b
 
 
-def _call_with_defaults(fn, *args, **kw):
-    """Call ``fn`` passing only the keyword arguments it accepts (interfaces still settling)."""
-    params = inspect.signature(fn).parameters
-    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        kw = {k: v for k, v in kw.items() if k in params}
-    return fn(*args, **kw)
-
-
 # ----------------------------------------------------------------------------- reference / xla
 
 def reference_fn(query, key, value, spec, *, interpret=None):
@@ -143,7 +132,7 @@ def cudnn_check(spec: AttentionSpec) -> str | None:
 def tiled_fn(query, key, value, spec, *, interpret=None):
     """flashlab.ladder.tiled: blockwise attention in plain JAX (branch ``tiled``)."""
     from flashlab.ladder.tiled import tiled_attention_from_spec
-    return _call_with_defaults(tiled_attention_from_spec, query, key, value, spec)
+    return tiled_attention_from_spec(query, key, value, spec)
 
 
 def pallas_tpu_fn(query, key, value, spec, *, interpret=None):
@@ -152,8 +141,7 @@ def pallas_tpu_fn(query, key, value, spec, *, interpret=None):
     mode = device.interpret_mode(interpret)
     if mode is not False and vma_of(spec.q_lengths, spec.kv_lengths):
         spec = _lengths_as_segments(spec)
-    return _call_with_defaults(flash_attention_from_spec, query, key, value, spec,
-                               interpret=mode)
+    return flash_attention_from_spec(query, key, value, spec, interpret=mode)
 
 
 def _lengths_as_segments(spec: AttentionSpec) -> AttentionSpec:
