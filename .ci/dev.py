@@ -198,7 +198,9 @@ def main(argv: list[str]) -> None:
     ensure_venv()
     legs = []
     if argv[0] == "test":
-        pytest("tests", "-n", "2", "-q")
+        # worksteal: idle workers take queued tests from busy ones (the suite ends with a few
+        # long interpreted-kernel tests); the 30 slowest are listed so CI time stays visible.
+        pytest("tests", "-n", "2", "--dist", "worksteal", "-q", "--durations=30")
         legs = compat_legs()
         # one notebook per worker (--dist loadfile): a notebook's cells share one kernel
         pytest("--nbval", "--nbval-current-env", "--nbval-sanitize-with",

@@ -1,7 +1,8 @@
 """The tiled rung's schedule: which tiles each block row visits, and the tile helpers.
 
 Used by the loops of :mod:`flashlab.ladder.tiled_loops`; :mod:`flashlab.ladder.tiled` is the
-public face. Every name here is internal to the tiled rung.
+public face. ``block_tables``, ``visit_ranges`` and the default blocks are public (chapter 03
+prints them); the rest is internal to the tiled rung.
 """
 from __future__ import annotations
 
@@ -12,8 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flashlab.contract.masks import (
-    block_maybe_visible, structural_visible)
+from flashlab.contract.masks import block_maybe_visible, structural_visible
 
 
 # Tuned on 2-core x86 CPUs (fp32, B=1, 8 heads, d=64; `python -m flashlab bench tiled --sweep`):
@@ -23,7 +23,6 @@ from flashlab.contract.masks import (
 # (N + block_q) / 2N of the non-causal work: 512 keeps the causal forward near half the time.
 DEFAULT_BLOCK_Q = 512
 DEFAULT_BLOCK_K = 512
-
 
 
 def block_tables(q_len: int, kv_len: int, block_q: int, block_k: int, *, is_causal=False,
