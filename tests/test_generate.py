@@ -33,6 +33,24 @@ def test_cached_generation_equals_recomputing(setup, page_size):
     np.testing.assert_array_equal(np.asarray(got), want)
 
 
+def test_ragged_prompts_equal_each_prompt_alone(setup):
+    """Rows of different prompt lengths (right-padded) continue as each prompt would alone.
+
+    Row 0 (all 10 tokens) against the recomputed continuation; row 1 (7 tokens, the rest
+    padding that must never be read) against a batch whose every prompt is those 7 tokens
+    (same shapes, so nothing new compiles).
+    """
+    model, prompt, want = setup
+    padded = prompt.at[1, 7:].set(0)
+    run = lambda n: generate(model, padded, 4, prefill_chunk=4, prompt_lengths=np.array(n),  # noqa: E731
+                             backend="tiled", progress=False)
+    got, seven = run([10, 7]), run([7, 7])
+    np.testing.assert_array_equal(np.asarray(got[0]), want[0, :4])
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(seven[1]))
+    with pytest.raises(ValueError, match=r"prompt_lengths: expected values in \[1, prompt_len = 10\]"):
+        generate(model, prompt, 2, prompt_lengths=np.array([0, 10]), progress=False)
+
+
 def test_generate_rejects_a_labeller():
     labeller = DocumentModel(ModelConfig(vocab_size=16, d_model=16, num_heads=2, num_layers=1),
                              rngs=nnx.Rngs(0))

@@ -71,7 +71,7 @@ def _step(graphdef, state, tokens, positions, backend, caches):
 
 
 def generate(model: DocumentModel, prompt_tokens, max_new_tokens: int, *, backend: str = "auto",
-             prefill_chunk: int = 256, page_size: int | None = None,
+             prefill_chunk: int = 256, page_size: int | None = None, prompt_lengths=None,
              progress: bool = True) -> jax.Array:
     """Greedy continuation of each prompt, through a KV cache.
 
@@ -79,6 +79,9 @@ def generate(model: DocumentModel, prompt_tokens, max_new_tokens: int, *, backen
       model: a :class:`DocumentModel` with ``num_labels == vocab_size``.
       prompt_tokens: int ``[batch, prompt_len]``, one document per row.
       max_new_tokens: how many tokens to generate per row.
+      prompt_lengths: optional int ``[batch]`` in ``[1, prompt_len]``: row ``b``'s prompt is
+        ``prompt_tokens[b, :prompt_lengths[b]]`` (right-padded; the padding is never read).
+        Default: every row is ``prompt_len`` long.
       backend: the :func:`flashlab.decode_attention` backend (``"auto"``, ``"tiled"``, ...).
       prefill_chunk: prompt tokens per prefill step (chunked prefill).
       page_size: ``None`` for contiguous caches, else paged caches with this page size.
@@ -91,18 +94,47 @@ def generate(model: DocumentModel, prompt_tokens, max_new_tokens: int, *, backen
     if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
         raise ValueError(f"prefill_chunk: expected a positive int, got {prefill_chunk!r}")
     B, T = prompt.shape
+    lengths = _prompt_lengths(prompt_lengths, B, T)
     caches = init_caches(model, B, T + max_new_tokens, page_size=page_size)
     graphdef, state = nnx.split(model)
-    pos = jnp.broadcast_to(jnp.arange(T + max_new_tokens, dtype=jnp.int32), (B, T + max_new_tokens))
-    for c0 in range(0, T, prefill_chunk):                       # chunked prefill
-        c1 = min(T, c0 + prefill_chunk)
+    L = T + max_new_tokens
+    pos = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
+    # Chunked prefill over the positions every prompt has; then one token per row per step.
+    # Row b feeds its own prompt token while it has one (t < lengths[b]) and its last
+    # generated token after, so every row sits at the same position t and a ragged batch
+    # needs no per-row loop: row b's new tokens are the steps t = lengths[b] - 1, ... .
+    common = int(lengths.min())
+    for c0 in range(0, common, prefill_chunk):
+        c1 = min(common, c0 + prefill_chunk)
         token, caches = _step(graphdef, state, prompt[:, c0:c1], pos[:, c0:c1], backend, caches)
-    out = [token]
-    for t in tqdm(range(T, T + max_new_tokens - 1), desc="decode", disable=not progress,
-                  initial=1, total=max_new_tokens):
-        token, caches = _step(graphdef, state, token[:, None], pos[:, t:t + 1], backend, caches)
-        out.append(token)
-    return jnp.stack(out, axis=1)
+    steps = [token]                                   # the token predicted after position t
+    last = int(lengths.max()) + max_new_tokens - 1    # the last position any row still needs
+    for t in tqdm(range(common, last), desc="decode", disable=not progress):
+        feed = jnp.where(t < lengths, prompt[:, min(t, T - 1)], token)
+        token, caches = _step(graphdef, state, feed[:, None], pos[:, t:t + 1], backend, caches)
+        steps.append(token)
+    steps = jnp.stack(steps, axis=1)                  # [B, last - common + 1]
+    first = jnp.asarray(lengths - common)             # row b's first new token's step
+    idx = first[:, None] + jnp.arange(max_new_tokens)[None, :]
+    return jnp.take_along_axis(steps, idx, axis=1)
+
+
+def _prompt_lengths(prompt_lengths, B: int, T: int) -> np.ndarray:
+    """Concrete int ``[B]`` in ``[1, T]`` (default: all ``T``), or a ValueError naming it."""
+    if prompt_lengths is None:
+        return np.full((B,), T, np.int64)
+    try:
+        lengths = np.asarray(prompt_lengths)
+    except Exception as e:   # a tracer: the loop bounds need concrete lengths
+        raise TypeError(f"prompt_lengths: expected concrete ints (generate runs a Python loop "
+                        f"over positions), got {type(prompt_lengths).__name__}") from e
+    if lengths.shape != (B,) or not np.issubdtype(lengths.dtype, np.integer):
+        raise ValueError(f"prompt_lengths: expected int [batch] = [{B}], got shape "
+                         f"{lengths.shape} dtype {lengths.dtype}")
+    if lengths.min() < 1 or lengths.max() > T:
+        raise ValueError(f"prompt_lengths: expected values in [1, prompt_len = {T}], got "
+                         f"{lengths.tolist()}")
+    return lengths.astype(np.int64)
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
