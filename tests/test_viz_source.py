@@ -8,7 +8,8 @@ from flashlab.viz.source import source_lines
 def test_source_lines_numbers_hits_and_context():
     out = source_lines(minimal.minimal_flash_kernel, "pl.when", context=1)
     assert out.count("pl.when") == 2 and "   ..." in out
-    listing = source_lines(minimal.minimal_flash_kernel, "def minimal_flash_kernel", "pl.when(j == 0)")
+    listing = source_lines(minimal.minimal_flash_kernel, "def minimal_flash_kernel",
+                           "pl.when(j == 0)")
     assert listing.splitlines()[0].split()[:2] == ["1", "def"]     # numbered from the def line
 
 

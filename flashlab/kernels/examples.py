@@ -117,13 +117,15 @@ def gather_kernel(perm_ref, x_ref, o_ref):
 
 
 def _check_block_indices(perm, num_blocks: int) -> None:
+    """Raise ``ValueError`` naming the entries of ``perm`` outside ``[0, num_blocks)``."""
     bad = np.asarray(perm)
     bad = bad[(bad < 0) | (bad >= num_blocks)]
     if bad.size:
         raise ValueError(f"perm: expected block indices in [0, {num_blocks}), got {bad.tolist()}")
 
 
-def gather_blocks(x, perm, *, block_m: int = 8, interpret=None):
+def gather_blocks(x: jax.Array, perm: jax.Array, *, block_m: int = 8,
+                  interpret=None) -> jax.Array:
     """Row block ``i`` of the output is row block ``perm[i]`` of ``x``.
 
     ``x [M, N]``; ``perm [M / block_m]`` int32, a block index per output block (values in
@@ -175,7 +177,7 @@ def row_softmax_kernel(x_ref, o_ref):
 
 
 @functools.partial(jax.jit, static_argnames=("block_m", "interpret"))
-def row_softmax(x, *, block_m: int = 8, interpret=None):
+def row_softmax(x: jax.Array, *, block_m: int = 8, interpret=None) -> jax.Array:
     """``jax.nn.softmax(x, axis=-1)`` for ``x [M, N]``, one ``[block_m, N]`` row block per step.
 
     A block spans whole rows (its last dim is the whole ``N``, which the (8, 128) rule allows),
