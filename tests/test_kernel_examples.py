@@ -24,3 +24,25 @@ def test_bad_blocks():
     x = jnp.zeros((16, 256))
     with pytest.raises(ValueError, match="block_m, block_n"):
         examples.tiled_add(x, x, block_m=5)
+
+
+def test_gather_blocks_follows_the_prefetched_table():
+    x = jnp.arange(32 * 128, dtype=jnp.float32).reshape(32, 128)
+    perm = np.array([3, 0, 3, 1], np.int32)              # repeats allowed: a gather, not a sort
+    got = examples.gather_blocks(x, perm, interpret=True)
+    np.testing.assert_array_equal(got, x.reshape(4, 8, 128)[perm].reshape(32, 128))
+    with pytest.raises(ValueError, match=r"perm: expected block indices in \[0, 4\), got \[4\]"):
+        examples.gather_blocks(x, np.array([0, 1, 2, 4], np.int32), interpret=True)
+    traced = jax.jit(lambda p: examples.gather_blocks(x, p, interpret=True))
+    with pytest.raises(Exception, match=r"perm: expected block indices in \[0, 4\), got \[-1\]"):
+        jax.block_until_ready(traced(np.array([0, 1, 2, -1], np.int32)))
+    with pytest.raises(ValueError, match=r"perm: expected an integer array of shape \(4,\)"):
+        examples.gather_blocks(x, np.zeros(3, np.int32), interpret=True)
+
+
+def test_row_softmax_exercise_answer():
+    x = jax.random.normal(jax.random.key(3), (16, 200)) * 30      # large logits: max subtracted
+    ref = jax.nn.softmax(np.asarray(x, np.float64), axis=-1)
+    np.testing.assert_allclose(examples.row_softmax(x, interpret=True), ref, atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="block_m: expected a divisor"):
+        examples.row_softmax(x, block_m=5)

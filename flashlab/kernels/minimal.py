@@ -26,8 +26,7 @@ import jax.numpy as jnp
 
 from flashlab.contract import device
 from flashlab.ladder import online_softmax
-from flashlab.compat import pallas as compat
-from flashlab.compat.pallas import pl
+from flashlab.compat.pallas import pl, pltpu
 
 __all__ = ["minimal_flash_kernel", "minimal_flash_attention"]
 
@@ -84,9 +83,9 @@ def minimal_flash_attention(q, k, v, *, block_q: int = 128, block_k: int = 128, 
         grid=(B, H, N // block_q, N // block_k),
         in_specs=[q_spec, kv_spec, kv_spec],
         out_specs=q_spec,                                   # O_i: same block for every j
-        scratch_shapes=[compat.VMEM((block_q, 128), jnp.float32),   # m, broadcast over lanes
-                        compat.VMEM((block_q, 128), jnp.float32),   # l
-                        compat.VMEM((block_q, d), jnp.float32)],    # acc
-        compiler_params=compat.CompilerParams(
+        scratch_shapes=[pltpu.VMEM((block_q, 128), jnp.float32),   # m, broadcast over lanes
+                        pltpu.VMEM((block_q, 128), jnp.float32),   # l
+                        pltpu.VMEM((block_q, d), jnp.float32)],    # acc
+        compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
         interpret=device.interpret_mode(interpret))(q, k, v)
