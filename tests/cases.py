@@ -1,7 +1,8 @@
 """Mask-option cases shared by every rung's tests.
 
-The list lives in :mod:`flashlab.dispatch.conformance` (the conformance library a second engineer runs
-on a new backend); tests import it from here so there is one definition of "every mask option".
+The list lives in :mod:`flashlab.dispatch.conformance` (the conformance library a second engineer
+runs on a new backend); tests import it from here so there is one definition of "every mask
+option".
 """
 from hypothesis import strategies as st
 

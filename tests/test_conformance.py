@@ -1,12 +1,14 @@
 """The conformance suite: every registered backend, the same cases, the float64 oracle.
 
-The cases, shapes and tolerances live in :mod:`flashlab.dispatch.conformance` (so that a notebook or a
-second engineer can run them with ``flashlab.dispatch.conformance.check_backend(name)``); this module
-only parametrizes pytest over them. A case is skipped only when the backend's own declaration
-excludes it (the skip reason quotes the declaration) or the backend is not importable here.
+The cases, shapes and tolerances live in :mod:`flashlab.dispatch.conformance` (so that a notebook
+or a second engineer can run them with ``flashlab.dispatch.conformance.check_backend(name)``); this
+module only parametrizes pytest over them. A case is skipped only when the backend's own
+declaration excludes it (the skip reason quotes the declaration) or the backend is not importable
+here.
 
 Adding a backend: ``flashlab.dispatch.registry.register(Backend(...))``, then pass this module.
-Tolerances: see :mod:`flashlab.dispatch.conformance` (fp32 2e-5 abs, bf16 3e-2 abs, grads 1e-4 rel).
+Tolerances: see :mod:`flashlab.dispatch.conformance` (fp32 2e-5 abs, bf16 3e-2 abs, grads 1e-4
+rel).
 """
 import pytest
 

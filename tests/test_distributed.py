@@ -1,4 +1,5 @@
-"""flashlab.scale.distributed on 8 simulated CPU devices, plus the layout tables and the comm model.
+"""flashlab.scale.distributed on 8 simulated CPU devices, plus the layout tables and the comm
+model.
 
 The device count must be fixed before jax is imported, and a pytest(-xdist) worker may have
 imported jax already; so each multi-device case runs in a fresh interpreter

@@ -1,4 +1,5 @@
-"""flashlab.instruments.tpu_compile: its errors, and the kernels taking their chip from the compile target.
+"""flashlab.instruments.tpu_compile: its errors, and the kernels taking their chip from the compile
+target.
 
 The tests marked ``tpu_compile`` need libtpu (``pip install "jax[tpu]"``); they skip without it
 unless ``FLASHLAB_REQUIRE_LIBTPU=1`` (set by ``.ci/dev.py test``), where they fail instead.

@@ -1,8 +1,8 @@
 """The compile matrix: every kernel compiled by the real TPU compiler for v4, v5e, v5p, v6e, 7x.
 
 Nothing runs: each case is ``jax.jit(...).lower(...).compile()`` by libtpu (XLA TPU + Mosaic)
-for compile-only devices of the chip (:mod:`flashlab.instruments.tpu_compile`), and must compile with no
-error. Each flashlab case is ONE program holding the forward kernel (inference: no lse) and
+for compile-only devices of the chip (:mod:`flashlab.instruments.tpu_compile`), and must compile
+with no error. Each flashlab case is ONE program holding the forward kernel (inference: no lse) and
 ``jax.grad`` through it (the forward with lse, the dK/dV kernel and the dQ kernel), so one
 compile covers all three kernels.
 

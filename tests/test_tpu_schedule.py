@@ -1,4 +1,5 @@
-"""The TPU compiler's schedule, read tile by tile (flashlab.instruments.tpu_schedule, tpu_dump, the bench).
+"""The TPU compiler's schedule, read tile by tile (flashlab.instruments.tpu_schedule, tpu_dump, the
+bench).
 
 The fixture is a real dump (gzipped, ~100 KB): flashlab's forward kernel, B=2, T=8192, H=16,
 d=128, bf16, causal, 512x512 blocks, compiled for v5e by libtpu 0.0.50 (jax 0.12.0.1) with

@@ -5,8 +5,8 @@ small problem, per backend; a backend that does not declare a derivative (``Back
 must refuse it with a NotImplementedError naming the backends that do, and ``auto`` must pick
 one that works at every size. shard_map (``check_vma=True``) on 8 simulated devices runs in a
 fresh process (tests/transform_dist_cases.py). References: forward values and gradients from
-``flashlab.ladder.reference.oracle_attention``/``conformance.oracle_grads`` (NumPy float64); tangents,
-Jacobians and Hessians by central differences of those float64 functions.
+``flashlab.ladder.reference.oracle_attention``/``conformance.oracle_grads`` (NumPy float64);
+tangents, Jacobians and Hessians by central differences of those float64 functions.
 """
 import os
 import subprocess

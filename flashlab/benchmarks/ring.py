@@ -8,8 +8,8 @@ Two questions, on simulated CPU devices (``--xla_force_host_platform_device_coun
   whole sequence grows with ``N``.
 * **Time per step, measured vs modelled.** The measured ring time divided by ``P`` steps,
   against a model built from two measurements on this machine, the way
-  :mod:`flashlab.instruments.comm_model` builds it for TPUs: one block's compute time (the backend alone
-  on one ``c × c`` block) and one hop's transfer time (a lone ``ppermute`` of one K/V block).
+  :mod:`flashlab.instruments.comm_model` builds it for TPUs: one block's compute time (the backend
+  alone on one ``c × c`` block) and one hop's transfer time (a lone ``ppermute`` of one K/V block).
   With the send overlapped, a step costs ``max(compute, transfer)``; without, their sum.
 
 The device count must be set before JAX starts, so each configuration runs in a fresh child

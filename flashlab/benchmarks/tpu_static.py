@@ -3,10 +3,10 @@ side on the TPU compiler's own static schedule, for every TPU generation, withou
 
 For each chip, library and block setting it compiles the forward (inference) and the
 gradient (``jax.grad``: the dQ and dK/dV kernels) with libtpu's schedule dumps on
-(:mod:`flashlab.instruments.tpu_dump`), reads every kernel's schedule (:mod:`flashlab.instruments.tpu_schedule`), and
-estimates the whole kernel: ``grid steps x per-step cycles + visible tiles x tile cycles +
-rows x (init + finalize) + prologue``. That is set against the peak-FLOP floor (the kernel's
-matmul FLOPs at the chip's peak) and against splash.
+(:mod:`flashlab.instruments.tpu_dump`), reads every kernel's schedule
+(:mod:`flashlab.instruments.tpu_schedule`), and estimates the whole kernel: ``grid steps x per-step
+cycles + visible tiles x tile cycles + rows x (init + finalize) + prologue``. That is set against
+the peak-FLOP floor (the kernel's matmul FLOPs at the chip's peak) and against splash.
 
 What these figures are: the static schedule of the real compiler (cycles = VLIW bundles).
 What they are not: wall time. No DMA waits, no HBM bandwidth, no pipeline stalls. They rank
@@ -101,7 +101,8 @@ _BUILDERS = {"flashlab": _flashlab, "splash": _splash, "jax_pallas_flash": _jax_
 
 def build(*, chip: str, library: str, backward: bool, batch: int, seq_len: int, heads: int,
           head_dim: int, dtype: str, causal: bool, block: int | None):
-    """``(fn, args, info)`` for :func:`flashlab.instruments.tpu_dump.schedules` (runs in its child).
+    """``(fn, args, info)`` for :func:`flashlab.instruments.tpu_dump.schedules` (runs in its
+    child).
 
     ``fn`` is the library's forward on ``[batch, seq, heads, head_dim]`` (flashlab) or
     ``[batch, heads, seq, head_dim]`` (the official kernels), or ``jax.grad`` of its sum
@@ -121,8 +122,8 @@ def build(*, chip: str, library: str, backward: bool, batch: int, seq_len: int, 
 def chip_clock(chip: str) -> tuple[float | None, float | None, str]:
     """``(clock Hz, bf16 FLOP/s per TensorCore, source)`` of a TPU generation.
 
-    Neither JAX nor :mod:`flashlab.instruments.roofline` lists clocks, so the clock is derived from JAX's
-    per-core table: ``bf16_ops_per_second / (num_mxus x mxu_column_size**2 x 2)``. That gives
+    Neither JAX nor :mod:`flashlab.instruments.roofline` lists clocks, so the clock is derived from
+    JAX's per-core table: ``bf16_ops_per_second / (num_mxus x mxu_column_size**2 x 2)``. That gives
     the public clocks of v4 (1.05 GHz), v5e (1.5) and v5p (1.75); for v6e and 7x it gives 3.5
     and 4.4 GHz, which says JAX's per-core MXU count (2) and the compiler's (2) describe a
     wider machine than the clock alone: their ms are less certain than their cycles.

@@ -1,6 +1,7 @@
 """One decode request, validated once: the :class:`DecodeSpec` every decode backend consumes.
 
-The sibling of :func:`flashlab.contract.masks.validate` for serving. A decode step reads a KV cache:
+The sibling of :func:`flashlab.contract.masks.validate` for serving. A decode step reads a KV
+cache:
 
 * ``query`` ``[batch, new_tokens, q_heads, head_dim]``; ``new_tokens = 1`` is decode, more is
   a chunked prefill. The new tokens' keys and values are already in the cache.

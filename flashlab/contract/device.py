@@ -22,8 +22,9 @@ __all__ = ["platform", "interpret_mode", "tpu_interpret_params", "ProblemSizes",
 def platform() -> str:
     """``"tpu"``, ``"gpu"`` or ``"cpu"``: the platform of the default backend.
 
-    ``"tpu"`` inside a :func:`compile_target` block (:func:`flashlab.instruments.tpu_compile.compile`):
-    the code is being built for a TPU, so backends choose and compile as on one.
+    ``"tpu"`` inside a :func:`compile_target` block
+    (:func:`flashlab.instruments.tpu_compile.compile`): the code is being built for a TPU, so
+    backends choose and compile as on one.
     """
     if _TARGET.get() is not None:
         return "tpu"
@@ -74,8 +75,8 @@ _TARGET = contextvars.ContextVar("flashlab_compile_target", default=None)
 def compile_target(chip: str | None):
     """Inside this block the kernels size their blocks and VMEM limit for ``chip``.
 
-    :func:`flashlab.instruments.tpu_compile.compile` enters it with the generation of the devices it
-    compiles for; ``None`` leaves the current target unchanged.
+    :func:`flashlab.instruments.tpu_compile.compile` enters it with the generation of the devices
+    it compiles for; ``None`` leaves the current target unchanged.
     """
     token = _TARGET.set(chip) if chip is not None else None
     try:
@@ -98,10 +99,11 @@ def _mesh_chip() -> str | None:
 def target_chip() -> str | None:
     """The TPU generation the kernels are being built for, or ``None`` (then: ``v5e``).
 
-    First wins: a :func:`compile_target` block (what :func:`flashlab.instruments.tpu_compile.compile`
-    sets from the devices it compiles for); the TPU devices of the mesh being traced under
-    (``jax.sharding.use_mesh`` / ``jax.set_mesh``); this host's TPU. An explicit ``chip=``
-    given to a kernel wins over all of them (:func:`flashlab.kernels.blocks.resolve_chip`).
+    First wins: a :func:`compile_target` block (what
+    :func:`flashlab.instruments.tpu_compile.compile` sets from the devices it compiles for); the
+    TPU devices of the mesh being traced under (``jax.sharding.use_mesh`` / ``jax.set_mesh``); this
+    host's TPU. An explicit ``chip=`` given to a kernel wins over all of them
+    (:func:`flashlab.kernels.blocks.resolve_chip`).
     """
     return _TARGET.get() or _mesh_chip() or detect_chip()
 

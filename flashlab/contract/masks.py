@@ -241,7 +241,8 @@ def structural_visible(q_pos, k_pos, *, is_causal=False, window=None, q_len=None
 
 
 def block_maybe_visible(q_start, q_stop, k_start, k_stop, *, is_causal=False, window=None):
-    """Whether any key in ``[k_start, k_stop)`` may be visible from a query in ``[q_start, q_stop)``.
+    """Whether any key in ``[k_start, k_stop)`` may be visible from a query in ``[q_start,
+    q_stop)``.
 
     Conservative: uses only the causal and window masks (the ones known from positions
     alone), so a ``False`` here is a block that can be skipped with neither compute nor DMA.

@@ -1,4 +1,5 @@
-"""Adapters: one validated request (q, k, v, AttentionSpec) -> each backend's own calling convention.
+"""Adapters: one validated request (q, k, v, AttentionSpec) -> each backend's own calling
+convention.
 
 Every adapter has the signature ``fn(query, key, value, spec, *, interpret) -> out`` with the
 public layout ``[batch, seq, heads, head_dim]`` in and out. Whatever a backend needs that the

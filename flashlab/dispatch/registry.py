@@ -2,8 +2,9 @@
 
 Each :class:`Backend` declares its capabilities in the vocabulary of
 ``AttentionSpec.features()`` (``bias``, ``mask``, ``causal``, ``local_window``, ``seq_lengths``,
-``segment_ids``, ``soft_cap``, ``gqa``, ``cross_attention``, ``sinks``, ``offsets``) plus platforms, dtypes, gradients
-and a distinct value head dim. A backend asked for something outside its declaration raises
+``segment_ids``, ``soft_cap``, ``gqa``, ``cross_attention``, ``sinks``, ``offsets``) plus
+platforms, dtypes, gradients and a distinct value head dim. A backend asked for something outside
+its declaration raises
 ``NotImplementedError`` naming the feature and the backends that do support it; the
 conformance suite (tests/test_conformance.py) runs every registered backend through the same
 cases and skips exactly what the declaration excludes. Adding a backend = :func:`register`
@@ -62,7 +63,8 @@ class Backend:
       requires: import path that must be present (``None``: always importable).
       check: extra constraint beyond the declaration: ``check(spec) -> reason or None``.
       interpret_kind: what "interpret" means for it (for ``explain``).
-      autodiff: derivatives beyond first-order reverse mode (``flashlab.contract.autodiff.FEATURES``:
+      autodiff: derivatives beyond first-order reverse mode
+      (``flashlab.contract.autodiff.FEATURES``:
         ``"forward_mode"`` for ``jax.jvp``/``jacfwd``, ``"second_order"`` for grad of grad
         and ``jax.hessian``), seen at dispatch by :func:`flashlab.contract.autodiff.requested`.
     """

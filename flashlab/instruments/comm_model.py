@@ -18,7 +18,8 @@ which doubles the bar.
 
 Chip numbers: bf16 peak FLOP/s and one-way ICI bandwidth per link, from "How to Scale Your
 Model", part 2 (Austin et al., jax-ml.github.io/scaling-book/tpus, tables of TPU specs). The
-lead's ``flashlab.instruments.roofline`` holds the full chip table; this one is only what the ring needs.
+lead's ``flashlab.instruments.roofline`` holds the full chip table; this one is only what the ring
+needs.
 """
 from __future__ import annotations
 

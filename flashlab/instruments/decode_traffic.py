@@ -4,9 +4,9 @@ Decode reads the whole visible cache to produce one token per sequence: the lowe
 its traffic is the visible K and V once, plus the queries and the outputs.
 :func:`decode_step_bytes` replays :func:`flashlab.kernels.decode.decode_grid_spec` (the objects
 its ``pallas_call`` gets, with the page table and lengths its index maps read) through
-:func:`flashlab.instruments.traffic.replay` and adds the split-K epilogue (reading the partial states back
-and writing the output). :func:`prefill_kernel_decode_bytes` replays today's prefill kernel
-(:mod:`flashlab.kernels.forward`) asked to do the same step: its grid runs per *query* head,
+:func:`flashlab.instruments.traffic.replay` and adds the split-K epilogue (reading the partial
+states back and writing the output). :func:`prefill_kernel_decode_bytes` replays today's prefill
+kernel (:mod:`flashlab.kernels.forward`) asked to do the same step: its grid runs per *query* head,
 so it reads each kv head's cache once per query head of the group, and pads one query row
 to a whole block.
 """
@@ -39,7 +39,8 @@ def decode_kernel_grid(*, lengths, q_heads: int, kv_heads: int, head_dim: int = 
                        page_size: int = 16, new_tokens: int = 1, dtype="bfloat16",
                        window: int | None = None, num_splits: int | None = None,
                        seed: int = 0) -> traffic.KernelGrid:
-    """The decode kernel's :class:`flashlab.instruments.traffic.KernelGrid` for sequences of ``lengths``.
+    """The decode kernel's :class:`flashlab.instruments.traffic.KernelGrid` for sequences of
+    ``lengths``.
 
     The page pool holds exactly the pages the batch needs, handed out in a shuffled order
     (a page table as a server's allocator leaves it); the capacity is the longest length

@@ -62,7 +62,8 @@ def analytic_hbm_bytes(algorithm: str, *, batch: int, heads: int, seq_len: int, 
     * backward: ``dV = Pᵀ dO`` (read P, dO; write dV), ``dP = dO Vᵀ`` (read dO, V; write dP),
       ``dS = P ∘ (dP − D)`` (read P, dP; write dS), ``dQ = dS K`` (read dS, K; write dQ),
       ``dK = dSᵀ Q`` (read dS, Q; write dK): 7·N² + 8·N·d elements (Algorithm 3 forms
-      ``D_i = Σ_l P_il dP_il`` inside the dS pass). ``dropout`` adds its backward pass on dP (2·N²),
+      ``D_i = Σ_l P_il dP_il`` inside the dS pass). ``dropout`` adds its backward pass on dP
+      (2·N²),
       ``masked`` one on dS (2·N²). The stored P is read back; nothing is recomputed.
 
     ``algorithm="flash"`` (Algorithm 1 forward, Algorithm 4 backward), with SRAM

@@ -73,7 +73,8 @@ def send_overlap(hlo_text: str) -> list[dict]:
 def tpu_ring_schedule(chip: str = "v5e", devices: int = 4, *, seq: int = 4096, heads: int = 4,
                       head_dim: int = 128, grad: bool = False) -> list[dict]:
     """:func:`send_overlap` of ring attention (our Pallas kernel on every step) compiled by the
-    real TPU compiler for a ``devices``-chip slice of ``chip`` (``flashlab.instruments.tpu_compile``: needs
+    real TPU compiler for a ``devices``-chip slice of ``chip``
+    (``flashlab.instruments.tpu_compile``: needs
     libtpu, no TPU). ``grad``: the forward+backward program instead of the forward alone."""
     import jax  # noqa: PLC0415
     import jax.numpy as jnp  # noqa: PLC0415

@@ -58,8 +58,8 @@ class Chip:
 
 
 GOOGLE = "cloud.google.com/tpu/docs/"
-# The real compiler's verdicts (flashlab.instruments.roofline docstring): a VMEM scratch one MiB over
-# ``vmem_bytes`` fails with "Allocation ... would exceed memory (size=...)", and pipelined
+# The real compiler's verdicts (flashlab.instruments.roofline docstring): a VMEM scratch one MiB
+# over ``vmem_bytes`` fails with "Allocation ... would exceed memory (size=...)", and pipelined
 # blocks over ``scoped_vmem_bytes`` fail with CompileTimeScopedVmemOom unless the kernel passes
 # ``vmem_limit_bytes`` (measured with one double-buffered input and output block: 16 MiB of
 # blocks compile on v4, v5e, v5p and 16.25 do not; v6e: 32 yes, 32.25 no; 7x: 44 yes, 44.25 no).

@@ -14,8 +14,8 @@ error message such as a VMEM allocation report), its memory analysis and its cos
 ...                     interpret=False).ok
 True
 
-While it compiles, :func:`flashlab.contract.device.target_chip` returns ``chip``, so flashlab's kernels
-size their blocks and ``vmem_limit_bytes`` for the target, not for this host.
+While it compiles, :func:`flashlab.contract.device.target_chip` returns ``chip``, so flashlab's
+kernels size their blocks and ``vmem_limit_bytes`` for the target, not for this host.
 
 libtpu at start-up on a machine without a TPU (traced with strace, libtpu 0.0.42): it
 finds no chip and asks no metadata server when ``TPU_SKIP_MDS_QUERY=1`` (JAX sets it itself

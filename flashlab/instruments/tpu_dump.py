@@ -2,10 +2,11 @@
 
 libtpu reads its flags (``LIBTPU_INIT_ARGS``) once, when it initializes, so a process that has
 already compiled for a TPU cannot start dumping. :func:`schedules` therefore runs a child
-Python (``python -m flashlab.instruments.tpu_dump SPEC``) with :data:`flashlab.instruments.tpu_schedule.DUMP_FLAGS`
-set, which builds the function, compiles it with :func:`flashlab.instruments.tpu_compile.compile` for the
-chip and records each Pallas kernel's grid; the parent then reads every Mosaic kernel's dump
-with :func:`flashlab.instruments.tpu_schedule.analyze`.
+Python (``python -m flashlab.instruments.tpu_dump SPEC``) with
+:data:`flashlab.instruments.tpu_schedule.DUMP_FLAGS` set, which builds the function, compiles it
+with :func:`flashlab.instruments.tpu_compile.compile` for the chip and records each Pallas kernel's
+grid; the parent then reads every Mosaic kernel's dump with
+:func:`flashlab.instruments.tpu_schedule.analyze`.
 
 The function comes from a *builder*: ``"module:function"``, called in the child as
 ``builder(chip=chip, **kwargs) -> (fn, args)`` or ``(fn, args, info)``, with ``args`` a tuple
@@ -120,9 +121,10 @@ def schedules(builder: str, chip: str, *, timeout: float = 900, keep_dir: str | 
 
     Returns a :class:`Dump` with one :class:`KernelDump` per role (forward / dq / dkdv) found.
     Raises ``TimeoutError`` after ``timeout`` seconds, ``RuntimeError`` with the child's
-    stderr when it fails, :class:`flashlab.instruments.tpu_compile.CompileError` with the compiler's own
-    message when the compile is rejected, and :class:`tpu_schedule.ScheduleFormatError` when
-    the dumps are not what the parser expects. The dump (~10 MB) is deleted unless
+    stderr when it fails, :class:`flashlab.instruments.tpu_compile.CompileError` with the
+    compiler's own message when the compile is rejected, and
+    :class:`tpu_schedule.ScheduleFormatError` when the dumps are not what the parser expects. The
+    dump (~10 MB) is deleted unless
     ``keep_dir`` names where to keep it.
     """
     from flashlab.instruments import tpu_compile

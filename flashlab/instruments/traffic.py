@@ -1,6 +1,7 @@
 """HBM traffic of a Pallas kernel, replayed from its own grid and BlockSpecs.
 
-(The formula side, the FlashAttention paper's IO analysis, is :mod:`flashlab.instruments.io_model`.)
+(The formula side, the FlashAttention paper's IO analysis, is
+:mod:`flashlab.instruments.io_model`.)
 
 * **Replay** (:func:`replay`, :func:`kernel_hbm_bytes`): walk the kernel's real grid in
   row-major order (the order Pallas TPU runs it), evaluate each operand's real BlockSpec

@@ -64,8 +64,9 @@ def resolve_chip(chip: str | None = None) -> str:
     """The TPU generation the kernels are built for: ``chip`` if given, else the compile target.
 
     Order (first wins): an explicit ``chip`` ("v4", "v5e", "v5p", "v6e", "7x"...); the chip
-    being compiled for (:func:`flashlab.contract.device.target_chip`: a :func:`flashlab.instruments.tpu_compile`
-    target, or the TPU devices of the mesh being traced under); this host's TPU; ``v5e``.
+    being compiled for (:func:`flashlab.contract.device.target_chip`: a
+    :func:`flashlab.instruments.tpu_compile` target, or the TPU devices of the mesh being traced
+    under); this host's TPU; ``v5e``.
     """
     if chip is None:
         chip = device.target_chip() or DEFAULT_CHIP
@@ -235,8 +236,9 @@ def kv_block_range(i, q_len, kv_len, *, block_q, block_k, num_kv_blocks, is_caus
     """The kv blocks ``lo .. hi`` (inclusive) that q block ``i`` may need to see.
 
     Keys outside ``[lo*B_c, (hi+1)*B_c)`` are invisible to every query of the block: by the
-    causal and window masks (the positional part of :func:`flashlab.contract.masks.block_maybe_visible`,
-    whose ``True`` set this range equals exactly; the tests check it), past the valid
+    causal and window masks (the positional part of
+    :func:`flashlab.contract.masks.block_maybe_visible`, whose ``True`` set this range equals
+    exactly; the tests check it), past the valid
     ``kv_len``, or because the whole q block is past the valid ``q_len``. ``hi < lo`` means
     nothing is visible. Works on Python ints (replay, figures) and traced int32 (index maps).
     ``shift = q_offset - kv_offset`` (int or traced): the blocks sit at global positions, so
@@ -307,7 +309,8 @@ __all__ += ["clamp_kv_block", "num_visible_blocks", "div_nonneg"]
 
 def q_block_range(j, q_len, kv_len, *, block_q, block_k, num_q_blocks, is_causal=False,
                   window=None, shift=0):
-    """The q blocks ``lo .. hi`` (inclusive) that may see kv block ``j`` (the dK/dV kernel's range).
+    """The q blocks ``lo .. hi`` (inclusive) that may see kv block ``j`` (the dK/dV kernel's
+    range).
 
     The transpose of :func:`kv_block_range`: query ``q`` sees key ``k`` only if ``k <= q``
     (causal) and ``q - left <= k <= q + right`` (window), i.e. ``q >= k`` and

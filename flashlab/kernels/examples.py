@@ -86,7 +86,8 @@ def tiled_matmul(x, y, *, bm: int = 128, bn: int = 128, bk: int = 128,
     """``x @ y`` (``[M, K] @ [K, N]``, out ``[M, N]`` in x's dtype), fp32 accumulation in VMEM.
 
     ``vmem_limit_bytes``: the scoped VMEM the compiled kernel may use (``None``: the
-    compiler's default scoped limit, ``flashlab.instruments.roofline.chip(name).scoped_vmem_bytes``).
+    compiler's default scoped limit,
+    ``flashlab.instruments.roofline.chip(name).scoped_vmem_bytes``).
     """
     m, kdim = x.shape
     n = y.shape[1]

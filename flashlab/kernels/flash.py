@@ -110,8 +110,8 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None, is_c
       chip: the TPU generation ("v4", "v5e", "v5p", "v6e", "7x") whose VMEM sizes the default
         blocks, the VMEM check and the compiled kernel's ``vmem_limit_bytes``, forward and
         backward. ``None`` (default) reads the compile target: the chip
-        :func:`flashlab.instruments.tpu_compile.compile` compiles for, or the TPU devices of the mesh being
-        traced under, else this host's TPU, else ``v5e``. An explicit ``chip`` wins.
+        :func:`flashlab.instruments.tpu_compile.compile` compiles for, or the TPU devices of the
+        mesh being traced under, else this host's TPU, else ``v5e``. An explicit ``chip`` wins.
       sinks: optional float ``[heads]`` sink logits, merged into each row's state at the
         last kv step (``online_softmax.sink_state``); differentiable.
 

@@ -153,8 +153,8 @@ class ForwardGridSpec:
 
     ``in_specs[k]`` / ``out_specs[k]`` describe operand ``in_names[k]`` / ``out_names[k]``;
     every ``index_map`` is a plain Python function ``(b, h, i, j, q_lengths, kv_lengths) ->
-    block index`` that also runs on ints and NumPy arrays, so ``flashlab.instruments.traffic`` and the
-    figures can replay it to count which blocks move at which step. The two scalar-prefetch
+    block index`` that also runs on ints and NumPy arrays, so ``flashlab.instruments.traffic`` and
+    the figures can replay it to count which blocks move at which step. The two scalar-prefetch
     operands (int32 ``[batch]`` q and kv lengths) come first in the call and in every index map.
     """
 

@@ -173,7 +173,8 @@ def tiled_decode(query, k_cache, v_cache, spec: DecodeSpec, *, interpret=None,
 def oracle_decode_attention(query, k_cache, v_cache, *, cache_lengths, page_table=None,
                             scale=None, local_window_size=None, logits_soft_cap=None,
                             sinks=None) -> np.ndarray:
-    """Float64 NumPy truth for :func:`flashlab.serving.decode.decode_attention` (a loop over sequences, no JAX).
+    """Float64 NumPy truth for :func:`flashlab.serving.decode.decode_attention` (a loop over
+    sequences, no JAX).
 
     Returns ``[B, T, Hq, dv]`` float64.
     """

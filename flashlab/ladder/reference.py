@@ -37,7 +37,8 @@ def naive_attention(query, key, value, bias=None, mask=None, *, scale=None, is_c
       logits_soft_cap: ``c > 0``: logits become ``c * tanh(logits / c)`` after scaling.
       sinks: optional float ``[heads]``: a per-head logit in every row's softmax
         denominator that takes no value (``l = exp(sink) + sum_j exp(s_ij)``).
-      q_offset, kv_offset: global positions of query 0 / key 0 (see :mod:`flashlab.contract.masks`).
+      q_offset, kv_offset: global positions of query 0 / key 0 (see
+      :mod:`flashlab.contract.masks`).
 
     Returns:
       ``[batch, q_seq, heads, head_dim]`` in the query's dtype. A query row with no visible
@@ -97,8 +98,9 @@ def oracle_attention(query, key, value, bias=None, mask=None, *, scale=None, is_
     """Float64 NumPy attention, written independently of the JAX code paths: the truth.
 
     Same arguments and layout as :func:`naive_attention` (inputs are converted to float64
-    NumPy; offsets shift the positions that causal, window and lengths see). Returns ``[batch, q_seq, heads, head_dim]`` float64 (and ``lse [batch, heads,
-    q_seq]`` with ``return_lse``). Rows with no visible key are zeros (lse ``-inf``).
+    NumPy; offsets shift the positions that causal, window and lengths see). Returns ``[batch,
+    q_seq, heads, head_dim]`` float64 (and ``lse [batch, heads, q_seq]`` with ``return_lse``). Rows
+    with no visible key are zeros (lse ``-inf``).
     ``sinks`` ``[heads]`` joins every row's denominator; then ``lse`` includes the sink
     (finite on rows with no visible key, whose output is still zero).
     """

@@ -2,8 +2,8 @@
 
 The score matrix is never built. Queries are cut into blocks of ``block_q`` rows (the
 paper's B_r), keys/values into blocks of ``block_k`` (B_c). For each query block ``Q_i`` we
-loop over the key blocks ``K_j, V_j`` that :func:`flashlab.contract.masks.block_maybe_visible` allows
-and fold each score tile ``S_ij = scale · Q_i K_jᵀ`` into the running state ``(m, l, O)`` of
+loop over the key blocks ``K_j, V_j`` that :func:`flashlab.contract.masks.block_maybe_visible`
+allows and fold each score tile ``S_ij = scale · Q_i K_jᵀ`` into the running state ``(m, l, O)`` of
 :mod:`flashlab.ladder.online_softmax`; at the end ``O_i = acc / l`` and ``lse_i = m + log l``.
 
 The backward pass is FlashAttention-2's: only ``O`` and ``lse`` are kept from the forward
@@ -90,8 +90,8 @@ def tiled_attention_with_lse_from_spec(query, key, value, spec: AttentionSpec, *
     (lse float64 for float64 inputs).
 
     ``lse`` is ``-inf`` for rows with no visible key (with ``spec.sinks`` it includes the
-    sink: ``lse = sink`` on such rows, whose output is still 0). Both outputs are differentiable (the
-    lse cotangent adds ``P ∘ dlse`` to dS), so states of disjoint key sets can be merged
+    sink: ``lse = sink`` on such rows, whose output is still 0). Both outputs are differentiable
+    (the lse cotangent adds ``P ∘ dlse`` to dS), so states of disjoint key sets can be merged
     outside (ring attention) and still be trained through.
     """
     bq, bk = block_sizes(block_q, block_k, query.shape[1], key.shape[1])

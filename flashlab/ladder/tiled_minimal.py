@@ -1,8 +1,8 @@
 """FlashAttention forward and backward for one head, no masks: the tiled rung before its options.
 
-``flashlab.ladder.tiled`` is the production rung (masks, GQA, padding, bias, soft cap, lengths, three
-loop ranges per block, ``custom_vjp``); its backward is some sixty lines. This module is what it
-reduces to for one head of ``[N, d]`` float32 arrays with ``N`` a multiple of the blocks and no
+``flashlab.ladder.tiled`` is the production rung (masks, GQA, padding, bias, soft cap, lengths,
+three loop ranges per block, ``custom_vjp``); its backward is some sixty lines. This module is what
+it reduces to for one head of ``[N, d]`` float32 arrays with ``N`` a multiple of the blocks and no
 mask: the paper's Algorithm 1 forward (with ``lse`` kept) and FlashAttention-2's backward, each
 in a few lines, with Python loops over blocks so every step can be read (and printed) in order.
 Chapter 03 reads it before the production code; the tests check it against the float64 oracle.

@@ -46,7 +46,8 @@ def _check(model, prompt_tokens, max_new_tokens):
 
 def init_caches(model: DocumentModel, batch: int, max_len: int, *, page_size: int | None = None,
                 dtype=jnp.float32) -> list[KVCache]:
-    """One empty :class:`flashlab.serving.kv_cache.KVCache` per block for ``batch`` rows of up to ``max_len`` tokens.
+    """One empty :class:`flashlab.serving.kv_cache.KVCache` per block for ``batch`` rows of up to
+    ``max_len`` tokens.
 
     ``page_size=None``: contiguous ``[batch, max_len, heads, head_dim]``; otherwise paged,
     a pool of ``batch * ceil(max_len / page_size)`` pages.

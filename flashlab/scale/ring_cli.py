@@ -3,8 +3,8 @@
 The launcher picks a free port on 127.0.0.1 and starts ``--processes`` Python processes, each
 with ``--devices-per-process`` simulated CPU devices. Each process joins JAX's own distributed
 runtime (``jax.distributed.initialize``, the CPU collectives over gloo), builds the same global
-Q, K, V from a seed, and runs :func:`flashlab.scale.distributed.ring_attention` forward and backward
-over *all* devices with the chosen backend. Process 0 checks the output and the gradients
+Q, K, V from a seed, and runs :func:`flashlab.scale.distributed.ring_attention` forward and
+backward over *all* devices with the chosen backend. Process 0 checks the output and the gradients
 against the float64 oracle and prints per-device block counts and timings.
 
 Every wait is bounded: the coordinator connection (``--timeout``), and the launcher's wait on

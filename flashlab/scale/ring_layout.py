@@ -8,10 +8,10 @@ The sequence (length ``n``) is cut into equal chunks and dealt to the ``P`` devi
   (few visible keys) and one late chunk (many), so every device has the same causal work
   (Brandon et al. 2023 "striped"/zig-zag load balancing, as used by Megatron context parallel).
 
-Everything here is plain NumPy on Python ints: the ring (``flashlab.scale.distributed``), the figures
-(``flashlab.viz.ring``) and the tests read the same tables. Visibility of a (query chunk, key
-chunk) pair is decided by :func:`flashlab.contract.masks.block_maybe_visible`, the same test the ring uses
-to skip a block.
+Everything here is plain NumPy on Python ints: the ring (``flashlab.scale.distributed``), the
+figures (``flashlab.viz.ring``) and the tests read the same tables. Visibility of a (query chunk,
+key chunk) pair is decided by :func:`flashlab.contract.masks.block_maybe_visible`, the same test
+the ring uses to skip a block.
 """
 from __future__ import annotations
 
@@ -64,7 +64,8 @@ def chunk_starts(n: int, num_devices: int, layout: str) -> np.ndarray:
 def permutation(n: int, num_devices: int, layout: str) -> np.ndarray:
     """``perm [n]``: layout index -> natural position (``x_layout = x[:, perm]``).
 
-    Device ``i`` owns layout indices ``i·n/P .. (i+1)·n/P`` (what ``PartitionSpec(axis)`` gives it).
+    Device ``i`` owns layout indices ``i·n/P .. (i+1)·n/P`` (what ``PartitionSpec(axis)`` gives
+    it).
     """
     c = chunk_len(n, num_devices, layout)
     starts = chunk_starts(n, num_devices, layout).reshape(-1)          # [P * nc]

@@ -13,8 +13,8 @@ registry below, declared with :class:`flashlab.dispatch.registry.Backend` in the
 
 Sinks (a per-head logit ``s_h`` that joins the softmax denominator and takes no value, as in
 gpt-oss) are one more online-softmax state: ``m = s_h, l = 1, acc = 0``. Merging it with
-:func:`flashlab.ladder.online_softmax.merge` adds ``exp(s_h - m)`` to the denominator and nothing to
-the numerator: :func:`sink_state`.
+:func:`flashlab.ladder.online_softmax.merge` adds ``exp(s_h - m)`` to the denominator and nothing
+to the numerator: :func:`sink_state`.
 """
 from __future__ import annotations
 
@@ -57,8 +57,8 @@ def choose_decode(spec: DecodeSpec, backend: str = "auto", *, interpret=None,
                   platform: str | None = None) -> Choice:
     """Pick the decode backend for ``spec`` (``"auto"`` or a name) and say why.
 
-    The platform is the compile target's while :func:`flashlab.instruments.tpu_compile.compile` builds
-    for a TPU (:func:`flashlab.contract.device.target_chip`), else this host's.
+    The platform is the compile target's while :func:`flashlab.instruments.tpu_compile.compile`
+    builds for a TPU (:func:`flashlab.contract.device.target_chip`), else this host's.
     """
     if platform is None:
         platform = "tpu" if device.target_chip() is not None else device.platform()

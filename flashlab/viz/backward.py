@@ -1,7 +1,7 @@
 """Figures for chapter 07 (the backward kernels). One function per figure, each returns a Figure.
 
-Every byte count comes from :mod:`flashlab.instruments.traffic` (the paper's model, and the replay of the
-backward kernels' own BlockSpecs); the tile maps from :mod:`flashlab.kernels.blocks`.
+Every byte count comes from :mod:`flashlab.instruments.traffic` (the paper's model, and the replay
+of the backward kernels' own BlockSpecs); the tile maps from :mod:`flashlab.kernels.blocks`.
 """
 from __future__ import annotations
 

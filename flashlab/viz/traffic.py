@@ -1,7 +1,8 @@
 """Figures for chapter 06 (and the traffic panel of chapters 01, 03, 05, 07).
 
 One function per figure, each returns a matplotlib Figure. Inputs are sizes, not arrays:
-every number is computed by :mod:`flashlab.instruments.traffic` and :mod:`flashlab.instruments.roofline`.
+every number is computed by :mod:`flashlab.instruments.traffic` and
+:mod:`flashlab.instruments.roofline`.
 """
 from __future__ import annotations
 
