@@ -42,7 +42,11 @@ def test_gather_blocks_follows_the_prefetched_table():
 
 def test_row_softmax_exercise_answer():
     x = jax.random.normal(jax.random.key(3), (16, 200)) * 30      # large logits: max subtracted
-    ref = jax.nn.softmax(np.asarray(x, np.float64), axis=-1)
-    np.testing.assert_allclose(examples.row_softmax(x, interpret=True), ref, atol=1e-6, rtol=0)
+    x64 = np.asarray(x, np.float64)
+    e = np.exp(x64 - x64.max(-1, keepdims=True))
+    ref = e / e.sum(-1, keepdims=True)                         # float64 softmax
+    got = examples.row_softmax(x, interpret=True)
+    np.testing.assert_allclose(got, ref, atol=1e-6, rtol=0)
+    np.testing.assert_allclose(got, jax.nn.softmax(x, axis=-1), atol=1e-6, rtol=0)
     with pytest.raises(ValueError, match="block_m: expected a divisor"):
         examples.row_softmax(x, block_m=5)
