@@ -4,8 +4,9 @@ They are small on purpose: a grid, BlockSpecs with index maps, a VMEM accumulato
 "parallel"/"arbitrary" dimension semantics, an index map that reads a scalar-prefetched table
 (:func:`gather_blocks`) and the answer to the chapter's exercise (:func:`row_softmax`), with
 nothing else in the way. They use the public ``pl.`` / ``pltpu.`` names (chapter 08 explains
-why the rest of flashlab reaches some of them through :mod:`._pallas_compat`). The FlashAttention
-forward (:mod:`flashlab.kernels.forward`) is the matmul kernel plus the online softmax.
+why the rest of flashlab reaches some of them through :mod:`flashlab.compat.pallas`). The
+FlashAttention forward (:mod:`flashlab.kernels.forward`) is the matmul kernel plus the online
+softmax.
 """
 from __future__ import annotations
 
