@@ -39,7 +39,8 @@ TPU_PEAK_BF16_FLOPS = {
 }
 
 SUBCOMMANDS = {"tiled": "flashlab.bench_tiled", "tpu-static": "flashlab.bench_tpu_static",
-               "generate": "flashlab.bench_generate", "ring": "flashlab.bench_ring"}
+               "generate": "flashlab.bench_generate", "ring": "flashlab.bench_ring",
+               "decode-static": "flashlab.bench_decode_static"}
 
 QUICK_SEQ_LENS = (128, 256, 512)
 

@@ -114,7 +114,7 @@ def _mosaic_dumps(d: Path) -> dict[str, Path]:
 
 
 def schedules(builder: str, chip: str, *, timeout: float = 900, keep_dir: str | None = None,
-              **kwargs) -> Dump:
+              reader=None, **kwargs) -> Dump:
     """Compile ``builder(chip=chip, **kwargs)`` for ``chip`` in a child and read its schedule.
 
     Returns a :class:`Dump` with one :class:`KernelDump` per role (forward / dq / dkdv) found.
@@ -122,7 +122,10 @@ def schedules(builder: str, chip: str, *, timeout: float = 900, keep_dir: str | 
     stderr when it fails, :class:`flashlab.tpu_compile.CompileError` with the compiler's own
     message when the compile is rejected, and :class:`tpu_schedule.ScheduleFormatError` when
     the dumps are not what the parser expects. The dump (~10 MB) is deleted unless
-    ``keep_dir`` names where to keep it.
+    ``keep_dir`` names where to keep it. ``reader(packed_path, kernel=name)`` reads each
+    kernel's dump (default :func:`flashlab.tpu_schedule.analyze`, which expects one grid loop
+    and one tile region; a kernel built otherwise, such as the official paged attention,
+    needs its own reader).
     """
     from . import tpu_compile
     if chip not in tpu_compile.CHIPS:
@@ -163,7 +166,7 @@ def schedules(builder: str, chip: str, *, timeout: float = 900, keep_dir: str | 
                     f"{d}: kernel {name!r} ({role}): expected one kernel per role, found dumps "
                     f"{list(files)} and pallas_calls {m['grids']}")
             kernels[role] = KernelDump(name, role, tuple(grids[0]["grid"]),
-                                       tpu_schedule.analyze(path, kernel=name))
+                                       (reader or tpu_schedule.analyze)(path, kernel=name))
         return Dump(chip, kernels, m["jax_version"], m["libtpu_version"], m.get("info"))
     finally:
         if tmp is not None:
