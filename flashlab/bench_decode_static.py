@@ -183,12 +183,11 @@ def _row(k: tpu_dump.KernelDump, *, chip, library, batch, kv_heads, page_size,
 
 
 def measure(*, chips=("v5e", "v6e"), page_sizes=(16, 64), batch=8, kv_heads=4, group=8,
-            pages_per_sequence=None, tokens=4096, head_dim=128, dtype="bfloat16",
+            tokens=4096, head_dim=128, dtype="bfloat16",
             pages_per_compute_block=8, timeout=1800, progress=True):
     """Compile and read both kernels per (chip, page size); returns ``(rows, versions)``.
 
-    ``pages_per_sequence`` defaults to ``tokens // page_size`` (same cache length for every
-    page size). Each row: the whole kernel's static cycles for one decode step
+    Every sequence holds ``tokens`` (``tokens // page_size`` pages). Each row: the whole kernel's static cycles for one decode step
     (``est_cycles``), its blocks and cycles per block, and the busiest unit of a block."""
     jobs = [(c, ps, lib) for c in chips for ps in page_sizes for lib in LIBRARIES]
     bar = None
@@ -200,7 +199,7 @@ def measure(*, chips=("v5e", "v6e"), page_sizes=(16, 64), batch=8, kv_heads=4, g
             pass
     rows, versions = [], {}
     for chip, ps, lib in jobs:
-        pps = pages_per_sequence or tokens // ps
+        pps = tokens // ps
         shape = dict(batch=batch, kv_heads=kv_heads, page_size=ps, pages_per_sequence=pps,
                      pages_per_compute_block=pages_per_compute_block)
         try:
@@ -225,6 +224,12 @@ def measure(*, chips=("v5e", "v6e"), page_sizes=(16, 64), batch=8, kv_heads=4, g
             bar.update()
     if bar is not None:
         bar.close()
+    from . import roofline
+    from .decode_traffic import decode_lower_bound_bytes
+    for r in rows:                 # the HBM floor: visible cache + q + out once, at peak HBM
+        nbytes = decode_lower_bound_bytes(lengths=[tokens] * batch, q_heads=kv_heads * group,
+                                          kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
+        r["hbm_floor_us"] = nbytes / roofline.chip(r["chip"]).hbm_bytes_per_s * 1e6
     for r in rows:
         ref = [x for x in rows if x["library"] == "official" and "error" not in x
                and (x["chip"], x["page_size"]) == (r["chip"], r["page_size"])]
@@ -257,14 +262,20 @@ def header(versions: dict, args: dict) -> str:
         "(flashlab:",
         "one page of every kv head; official: pages_per_compute_block pages of one kv head); "
         "busiest = the",
-        "unit with the highest static utilisation in a block (compiler's per-bundle table).",
+        "unit with the highest static utilisation in a block (compiler's per-bundle table): "
+        "all far",
+        "below 100%, so a block is bound by its dependency chain's latency (QK^T, max, exp, "
+        "sum, PV),",
+        "not by a unit. HBM us = the visible cache + q + out read once at the chip's HBM "
+        "bandwidth",
+        "(flashlab.roofline): where est us is below it, the step would be HBM-bound.",
     ])
 
 
 def table(rows) -> str:
     """The plain-text table the CLI prints."""
     head = (f"{'chip':4} {'page':>4} {'library':9} {'grid':>16} {'blocks':>6} {'pos x kvh':>9} "
-            f"{'block cyc':>9} {'est cycles':>10} {'est us':>7} {'busiest':>12} "
+            f"{'block cyc':>9} {'est cycles':>10} {'est us':>7} {'HBM us':>6} {'busiest':>12} "
             f"{'x official':>10}")
     out = [head, "-" * len(head)]
     for r in rows:
@@ -277,6 +288,7 @@ def table(rows) -> str:
         pk = f"{r['positions_per_block']}x{r['kv_heads_per_block']}"
         out.append(f"{left} {'x'.join(map(str, r['grid'])):>16} {r['blocks']:6d} {pk:>9} "
                    f"{r['block_cycles']:9d} {r['est_cycles']:10d} {us:>7} "
+                   f"{r['hbm_floor_us']:6.1f} "
                    f"{r['busiest_unit'] + ' ' + format(r['busiest_util'], '.0%'):>12} {ro:>10}")
     return "\n".join(out)
 
