@@ -6,20 +6,20 @@ For each chip and page size both kernels are compiled at the same shapes (batch,
 full) with libtpu's schedule dumps on (:mod:`flashlab.tpu_dump`), and each kernel's bundles
 are read into a whole-kernel cycle count for one decode step:
 
-* flashlab (:mod:`flashlab.kernels.decode`): grid ``(batch, splits, pages_per_split)``, one
-  grid loop; :func:`flashlab.tpu_schedule.analyze` and the same estimate as ``bench
-  tpu-static``: ``steps x per-step + visible pages x tile + rows x (init + finalize) +
-  prologue``. One step reads one page of every kv head.
-* official: grid ``(cores, batch, kv_heads, blocks)`` compiles to two loops: a grid loop over
-  ``(batch, kv_heads)`` (its exit test says ``batch x kv_heads + 2`` trips: two pipeline
-  stages) and, inside it, a loop over the ``pages_per_compute_block``-page blocks whose bound
-  is the sequence's length (a register, so not in the dump). :func:`read_official` takes it as
-  ``prologue + grid trips x (grid body - block loop) + blocks x block body``, where the block
-  body leaves out the first-block prefetch (once per kernel) and the loop that skips empty
-  sequences (never run here: every sequence is full).
+* flashlab (:mod:`flashlab.kernels.decode`): grid ``(batch, splits, blocks_per_split)``,
+  one grid loop; :func:`flashlab.tpu_schedule.analyze` and the same estimate as ``bench
+  tpu-static``: ``steps x per-step + visible blocks x tile + rows x (init + finalize) +
+  prologue``. One step reads ``pages_per_block`` pages of every kv head.
+* official (``inline_seq_dim=True``, its default): grid ``(cores, batch, kv_heads)``, whose
+  loop's exit test says ``batch x kv_heads + 2`` trips (two pipeline stages), and inside it a
+  ``fori_loop`` over the ``pages_per_compute_block``-page blocks, bounded by the sequence's
+  length (a register, so not in the dump; every sequence is full here). :func:`read_official`
+  takes it as ``prologue + grid trips x (grid body - block loop) + blocks x block body +
+  first prefetch``, where the block body leaves out the first-block prefetch (once per
+  kernel) and the loop that skips empty sequences (never run here).
 
 Cycles are VLIW bundles. What these figures are not: wall time. No DMA waits, no HBM
-bandwidth (decode is HBM-bound on every chip: see ``flashlab.roofline``), no stalls; the XLA
+bandwidth (the table's "HBM us" is that floor: the visible cache read once), no stalls; the XLA
 ops around each kernel (head folding, the split-K merge) are not counted. They rank the two
 kernels' instruction streams; calibrate on a real TPU.
 """
@@ -260,8 +260,8 @@ def header(versions: dict, args: dict) -> str:
         "XLA ops",
         "around the kernels are not counted. est = whole kernel; block = cycles per grid block "
         "(flashlab:",
-        "one page of every kv head; official: pages_per_compute_block pages of one kv head); "
-        "busiest = the",
+        "pages_per_block pages of every kv head; official: pages_per_compute_block pages of one "
+        "kv head); busiest = the",
         "unit with the highest static utilisation in a block (compiler's per-bundle table): "
         "all far",
         "below 100%, so a block is bound by its dependency chain's latency (QK^T, max, exp, "
