@@ -39,3 +39,13 @@ def test_live_decode_step_both_kernels():
     text = bds.header(versions, dict(batch=2, kv_heads=2, group=4, head_dim=128,
                                      dtype="bfloat16", tokens=256, pages_per_compute_block=8))
     assert "NOT wall time" in text and "x official" in bds.table(rows)
+
+
+def test_stored_run_has_both_kernels_on_v5e_and_v6e():
+    from flashlab import bench_decode_static as bds
+    d = bds.stored()
+    assert d["args"]["command"].startswith("python -m flashlab bench decode-static")
+    assert d["args"]["commit"] and d["versions"]["libtpu"]
+    got = {(r["chip"], r["library"], r["page_size"]) for r in d["rows"] if "error" not in r}
+    assert {(c, lib, 16) for c in ("v5e", "v6e") for lib in bds.LIBRARIES} <= got
+    assert bds.table(d["rows"]).count("official") == 4
