@@ -48,4 +48,4 @@ def test_stored_run_has_both_kernels_on_v5e_and_v6e():
     assert d["args"]["commit"] and d["versions"]["libtpu"]
     got = {(r["chip"], r["library"], r["page_size"]) for r in d["rows"] if "error" not in r}
     assert {(c, lib, 16) for c in ("v5e", "v6e") for lib in bds.LIBRARIES} <= got
-    assert bds.table(d["rows"]).count("official") == 4
+    assert bds.table(d["rows"]).count(" official ") == 4    # one row per chip and page size
