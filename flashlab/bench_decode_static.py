@@ -256,8 +256,7 @@ def header(versions: dict, args: dict) -> str:
         f"(q_heads={args['kv_heads'] * args['group']}) d={args['head_dim']} {args['dtype']}, "
         f"{args['tokens']} cached tokens per sequence (all full), one new token; official: "
         f"pages_per_compute_block={args['pages_per_compute_block']}.",
-        "NOT wall time: no DMA waits, no HBM bandwidth (decode is HBM-bound), no stalls; the "
-        "XLA ops",
+        "NOT wall time: no DMA waits, no HBM bandwidth (see HBM us), no stalls; the XLA ops",
         "around the kernels are not counted. est = whole kernel; block = cycles per grid block "
         "(flashlab:",
         "pages_per_block pages of every kv head; official: pages_per_compute_block pages of one "

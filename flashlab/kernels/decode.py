@@ -194,9 +194,8 @@ def page_schedule(cfg: DecodeConfig, lengths, page_table):
     of ``n``): the block index does not change, so nothing is copied. An operand with no
     visible page in a row ``(b, s)`` keeps the page it held at the end of the last row that
     had one (before any, it loads the page it will read in the next row that has one).
-    Scalar-prefetched, so each index map is
-    one SMEM load (computing the clamps in the index maps cost ~100 scalar cycles per operand
-    and step on v6e: ``bench decode-static``).
+    Scalar-prefetched, so each index map is one SMEM load (computing the clamps in the index
+    maps cost ~100 scalar cycles per operand and step on v6e: ``bench decode-static``).
     """
     xp = np if isinstance(lengths, np.ndarray) else jnp
     n, S, bps, pps = cfg.pages_per_block, cfg.num_splits, cfg.blocks_per_split, \
