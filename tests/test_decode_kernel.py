@@ -38,6 +38,16 @@ def test_split_k_merge_matches_oracle(num_splits):
                                atol=2e-5, rtol=2e-5)
 
 
+def test_pages_per_block_clamps_match_oracle():
+    # 3 pages per grid step, 2 splits: operands past a sequence's end, before its window, and
+    # in a split with no visible page (lengths 0 and 5) hold other pages, masked by position.
+    q, k, v, kw = decode_case(batch=3, page_size=8, pages_per_seq=7, lengths=[53, 0, 5])
+    _, _, _, spec = validate_decode(q, k, v, **kw, local_window_size=20)
+    got = kdecode.pallas_decode(q, k, v, spec, num_splits=2, pages_per_block=3)
+    np.testing.assert_allclose(np.asarray(got), oracle_decode_attention(
+        q, k, v, **kw, local_window_size=20), atol=2e-5, rtol=2e-5)
+
+
 def test_choose_num_splits():
     assert kdecode.choose_num_splits(batch=1, capacity=8192) == 4
     assert kdecode.choose_num_splits(batch=1, capacity=2048) == 2

@@ -12,16 +12,30 @@ from flashlab import viz
 def test_each_visible_page_is_copied_once():
     lengths = [40, 17, 64, 1]
     kg = decode_traffic.decode_kernel_grid(lengths=lengths, q_heads=8, kv_heads=2,
-                                           page_size=16, num_splits=1)
+                                           page_size=16, num_splits=1, pages_per_block=1)
     r = traffic.replay(kg)
     pages = sum(-(-L // 16) for L in lengths)
     assert r["k"]["copies"] == r["v"]["copies"] == pages
     assert traffic.replay(kg, method="loop")["total"] == r["total"]
 
 
+def test_pages_per_block_copies_at_most_n_minus_1_extra_pages_per_sequence():
+    # n = 3 page operands per step: an operand past the last page keeps the page it holds
+    # (no copy), also into the next sequence when that has no page for it.
+    lengths, n = [16 * 7, 40, 16 * 6, 1], 3
+    kg = decode_traffic.decode_kernel_grid(lengths=lengths, q_heads=8, kv_heads=2,
+                                           page_size=16, num_splits=1, pages_per_block=n)
+    r = traffic.replay(kg)
+    copies = sum(r[f"k{t or ''}"]["copies"] for t in range(n))
+    assert kg.operand("k2").shape == kg.operand("k").shape
+    # pages 7, 3, 6, 1: operands 1, 2 keep pages 4, 5 of sequence 0 and of sequence 2
+    assert copies == 7 + 3 + 6 + 1
+
+
 def test_window_skips_pages_before_it():
     kg = decode_traffic.decode_kernel_grid(lengths=[160], q_heads=4, kv_heads=1,
-                                           page_size=16, window=40, num_splits=1)
+                                           page_size=16, window=40, num_splits=1,
+                                           pages_per_block=1)
     # positions 119..159 are visible: pages 7, 8, 9
     assert traffic.replay(kg)["k"]["copies"] == 3
 

@@ -31,8 +31,7 @@ __all__ = ["main", "run", "attention_flops", "device_peak_flops", "TPU_PEAK_BF16
            "SUBCOMMANDS"]
 
 # Peak dense bf16 matmul FLOP/s per chip (vendor figures), keyed by a substring of
-# jax.Device.device_kind. Minimal on purpose: flashlab.instruments.roofline holds the full chip
-# table.
+# jax.Device.device_kind. Minimal on purpose: flashlab.instruments.roofline holds the full chip table.
 TPU_PEAK_BF16_FLOPS = {
     "v4": 275e12,
     "v5 lite": 197e12, "v5e": 197e12,
@@ -42,7 +41,8 @@ TPU_PEAK_BF16_FLOPS = {
 }
 
 SUBCOMMANDS = {"tiled": "flashlab.benchmarks.tiled", "tpu-static": "flashlab.benchmarks.tpu_static",
-               "generate": "flashlab.benchmarks.generate", "ring": "flashlab.benchmarks.ring"}
+               "generate": "flashlab.benchmarks.generate", "ring": "flashlab.benchmarks.ring",
+               "decode-static": "flashlab.benchmarks.decode_static"}
 
 QUICK_SEQ_LENS = (128, 256, 512)
 

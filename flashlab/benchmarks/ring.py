@@ -23,6 +23,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 __all__ = ["main", "run_child", "markdown"]
 
@@ -38,6 +39,7 @@ def _parser():
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument("--memory-only", action="store_true", help="compile only: no timings")
+    p.add_argument("--json", metavar="PATH", help="also write the rows, command and commit")
     p.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     return p
 
@@ -139,7 +141,10 @@ def main(argv=None) -> int:
         print(json.dumps(run_child(a)))
         return 0
     rows = []
-    base = [x for x in (argv or []) if x]
+    base = [x for x in (sys.argv[1:] if argv is None else argv) if x]
+    if a.json:                                       # children print; the parent writes
+        i = base.index("--json")
+        base = base[:i] + base[i + 2:]
     for P in a.devices:
         env = dict(os.environ, JAX_PLATFORMS="cpu",
                    XLA_FLAGS=f"--xla_force_host_platform_device_count={P}")
@@ -157,4 +162,14 @@ def main(argv=None) -> int:
     grow = rows[-1]["one_device_peak"] / rows[0]["one_device_peak"]
     print(f"per-device peak, largest/smallest over P={a.devices}: ring {flat:.2f}x; one device "
           f"holding the whole sequence: {grow:.2f}x")
+    if a.json:
+        from flashlab.benchmarks.tpu_static import _commit
+        import jax  # noqa: PLC0415
+        Path(a.json).write_text(json.dumps(dict(
+            command="python -m flashlab bench ring " + " ".join(
+                sys.argv[1:] if argv is None else argv), commit=_commit(), jax=jax.__version__,
+            what="XLA memory_analysis of the compiled forward+backward ring, per device "
+                 "(peak = arguments + outputs + temporaries), on simulated CPU devices; "
+                 "N = tokens_per_device x P", rows=rows), indent=1) + "\n")
+        print(f"wrote {a.json}")
     return 0

@@ -158,7 +158,7 @@ def _child_main(cfg_json: str) -> int:
 # ----------------------------------------------------------------------------- parent side
 
 def _spawn(cfg: dict, timeout: float = 1800) -> dict:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ)
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     t0 = time.perf_counter()

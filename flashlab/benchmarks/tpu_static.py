@@ -29,7 +29,7 @@ __all__ = ["build", "measure", "chip_clock", "main", "LIBRARIES", "MATMULS", "he
 
 # One run of this bench, committed for the book (chapters 05, 07, 09): its header says which
 # jax, libtpu and flashlab commit produced it. Regenerate with the command in its "args".
-STORED = Path(__file__).parent / "data" / "tpu_static.json"
+STORED = Path(__file__).resolve().parent.parent / "data" / "tpu_static.json"
 
 LIBRARIES = ("flashlab", "splash", "jax_pallas_flash")
 MATMULS = {"forward": 2, "dq": 3, "dkdv": 4}     # matmuls of one tile, per kernel

@@ -38,13 +38,15 @@ def _spec(batch, q_heads, kv_heads, head_dim, page_size, pages_per_sequence, num
 def decode_kernel_grid(*, lengths, q_heads: int, kv_heads: int, head_dim: int = 128,
                        page_size: int = 16, new_tokens: int = 1, dtype="bfloat16",
                        window: int | None = None, num_splits: int | None = None,
+                       pages_per_block: int | None = None,
                        seed: int = 0) -> traffic.KernelGrid:
     """The decode kernel's :class:`flashlab.instruments.traffic.KernelGrid` for sequences of
     ``lengths``.
 
     The page pool holds exactly the pages the batch needs, handed out in a shuffled order
     (a page table as a server's allocator leaves it); the capacity is the longest length
-    rounded up to whole pages.
+    rounded up to whole pages. ``pages_per_block``: the kernel's pages per grid step (its
+    default when ``None``); each of them is its own K and V operand (``k``, ``k1``, ...).
     """
     from flashlab.kernels import decode as kdecode
     lengths = np.asarray(lengths, np.int32)
@@ -53,9 +55,10 @@ def decode_kernel_grid(*, lengths, q_heads: int, kv_heads: int, head_dim: int = 
     table = np.random.default_rng(seed).permutation(B * P).reshape(B, P).astype(np.int32)
     spec = _spec(B, q_heads, kv_heads, head_dim, page_size, P, B * P, lengths, new_tokens,
                  dtype, window)
-    cfg = kdecode.make_decode_config(spec, page_size, P, B * P, num_splits=num_splits)
+    cfg = kdecode.make_decode_config(spec, page_size, P, B * P, num_splits=num_splits,
+                                     pages_per_block=pages_per_block)
     gs = kdecode.decode_grid_spec(cfg)
-    flat = np.pad(table, ((0, 0), (0, cfg.table_width - P))).reshape(-1)
+    flat = kdecode.page_schedule(cfg, lengths, table)
     scratch = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in gs.scratch_shapes)
     return traffic.from_block_specs(gs.grid, gs.in_specs, gs.out_specs, gs.in_shapes,
                                     gs.out_shapes, in_names=gs.in_names,
@@ -97,7 +100,11 @@ def _decode_step_bytes(lengths, q_heads, kv_heads, head_dim, page_size, new_toke
                             head_dim=head_dim, page_size=page_size, new_tokens=new_tokens,
                             dtype=dtype, window=window, num_splits=num_splits)
     r = traffic.replay(kg)
-    out = {k: v["bytes"] for k, v in r.items() if k not in ("read", "written", "total")}
+    out = {k: 0 for k in ("k", "v")}
+    for k, v in r.items():               # the n page operands k, k1, ... summed as "k"
+        if k not in ("read", "written", "total"):
+            name = k[0] if k[0] in "kv" and k[1:].isdigit() else k
+            out[name] = out.get(name, 0) + v["bytes"]
     B = len(np.asarray(lengths))
     out["epilogue"] = (r["written"]["bytes"]
                        + B * new_tokens * q_heads * head_dim * jnp.dtype(dtype).itemsize)

@@ -2,11 +2,10 @@
 
 libtpu reads its flags (``LIBTPU_INIT_ARGS``) once, when it initializes, so a process that has
 already compiled for a TPU cannot start dumping. :func:`schedules` therefore runs a child
-Python (``python -m flashlab.instruments.tpu_dump SPEC``) with
-:data:`flashlab.instruments.tpu_schedule.DUMP_FLAGS` set, which builds the function, compiles it
-with :func:`flashlab.instruments.tpu_compile.compile` for the chip and records each Pallas kernel's
-grid; the parent then reads every Mosaic kernel's dump with
-:func:`flashlab.instruments.tpu_schedule.analyze`.
+Python (``python -m flashlab.instruments.tpu_dump SPEC``) with :data:`flashlab.instruments.tpu_schedule.DUMP_FLAGS`
+set, which builds the function, compiles it with :func:`flashlab.instruments.tpu_compile.compile` for the
+chip and records each Pallas kernel's grid; the parent then reads every Mosaic kernel's dump
+with :func:`flashlab.instruments.tpu_schedule.analyze`.
 
 The function comes from a *builder*: ``"module:function"``, called in the child as
 ``builder(chip=chip, **kwargs) -> (fn, args)`` or ``(fn, args, info)``, with ``args`` a tuple
@@ -116,16 +115,18 @@ def _mosaic_dumps(d: Path) -> dict[str, Path]:
 
 
 def schedules(builder: str, chip: str, *, timeout: float = 900, keep_dir: str | None = None,
-              **kwargs) -> Dump:
+              reader=None, **kwargs) -> Dump:
     """Compile ``builder(chip=chip, **kwargs)`` for ``chip`` in a child and read its schedule.
 
     Returns a :class:`Dump` with one :class:`KernelDump` per role (forward / dq / dkdv) found.
     Raises ``TimeoutError`` after ``timeout`` seconds, ``RuntimeError`` with the child's
-    stderr when it fails, :class:`flashlab.instruments.tpu_compile.CompileError` with the
-    compiler's own message when the compile is rejected, and
-    :class:`tpu_schedule.ScheduleFormatError` when the dumps are not what the parser expects. The
-    dump (~10 MB) is deleted unless
-    ``keep_dir`` names where to keep it.
+    stderr when it fails, :class:`flashlab.instruments.tpu_compile.CompileError` with the compiler's own
+    message when the compile is rejected, and :class:`tpu_schedule.ScheduleFormatError` when
+    the dumps are not what the parser expects. The dump (~10 MB) is deleted unless
+    ``keep_dir`` names where to keep it. ``reader(packed_path, kernel=name)`` reads each
+    kernel's dump (default :func:`flashlab.instruments.tpu_schedule.analyze`, which expects one grid loop
+    and one tile region; a kernel built otherwise, such as the official paged attention,
+    needs its own reader).
     """
     from flashlab.instruments import tpu_compile
     if chip not in tpu_compile.CHIPS:
@@ -166,7 +167,7 @@ def schedules(builder: str, chip: str, *, timeout: float = 900, keep_dir: str | 
                     f"{d}: kernel {name!r} ({role}): expected one kernel per role, found dumps "
                     f"{list(files)} and pallas_calls {m['grids']}")
             kernels[role] = KernelDump(name, role, tuple(grids[0]["grid"]),
-                                       tpu_schedule.analyze(path, kernel=name))
+                                       (reader or tpu_schedule.analyze)(path, kernel=name))
         return Dump(chip, kernels, m["jax_version"], m["libtpu_version"], m.get("info"))
     finally:
         if tmp is not None:

@@ -52,10 +52,10 @@ UNITS = ("MXU", "XLU", "VPU", "EUP", "load", "store", "DMA", "scalar", "sync")
 _EUP = {"vexp2", "vexp", "vlog2", "vlog", "vrcp", "vrsqrt", "vsqrt", "vtanh", "vpow2",
         "vsigmoid", "verf", "vsin", "vcos"}
 
-_BUNDLE = re.compile(r"^\s*(0x[0-9a-f]+|\d+)\s+(LB|LH|LE|PB|PF|CT)?:\s*(>?)\s*\{")
+_BUNDLE = re.compile(r"^\s*(0x[0-9a-f]+|\d+)\s+(LB|LH|LE|PB|PF|CT)?:\s*(>*)\s*\{")  # > per loop depth
 _BRANCH = re.compile(r"sbr\.rel\s*\(([^)]*)\)\s*target bundleno = (\d+) \(0x[0-9a-f]+\), "
                      r"region = (\d+)")
-_MATMUL = re.compile(r"^vmatmul\.(mubr\.)?(\w+)\..*mxu(\d+)$")
+_MATMUL = re.compile(r"^vmatmul\.(mubr\.)?(?:msk\.)?(\w+)\..*mxu(\d+)$")  # msk: masked rows
 _OPCODE = re.compile(r"^(?:%\S+\s*=\s*)?([A-Za-z_][\w.\[\]]*)")
 
 
@@ -235,7 +235,9 @@ def _crosscheck(bundles, caps, rows, path, util_path):
                                   f"{len(bundles)} bundles: the two dumps no longer align")
     cols = list(caps)
     mine = mxu_busy(bundles, path)
-    pops = [sum(op.startswith("vpop") for op in b.opcodes) for b in bundles]
+    # the VPOP column counts vector pops; vpop.sfrf (a vector-to-scalar move) is not one
+    pops = [sum(op.startswith("vpop") and not op.startswith("vpop.sfrf") for op in b.opcodes)
+            for b in bundles]
     for name, model in (("MXU", mine), ("VPOP", pops)):
         k = cols.index(name)
         for b in bundles:

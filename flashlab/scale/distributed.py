@@ -118,13 +118,6 @@ def _place(x, mesh, spec):
     return reshard(x, jax.sharding.NamedSharding(mesh, spec))
 
 
-def _take_seq(x, index, mesh, spec):
-    """``x[:, index]`` (a static permutation of the sequence axis), landing sharded as ``spec``."""
-    if not _is_explicit(mesh):
-        return jnp.take(x, index, axis=1)
-    return x.at[:, index].get(out_sharding=jax.sharding.NamedSharding(mesh, spec))
-
-
 def _place_all(args, specs, mesh):
     """``_place`` over matching tuples/dicts of arrays and PartitionSpecs."""
     if isinstance(args, dict):
@@ -317,6 +310,25 @@ def _chunk(x, nc, axis=1):
         return [None] * nc
     c = x.shape[axis] // nc
     return [jax.lax.slice_in_dim(x, a * c, (a + 1) * c, axis=axis) for a in range(nc)]
+
+
+def _zigzag(x, axis: str, P: int, inverse: bool = False):
+    """Inside ``shard_map``: a device's contiguous shard ``[B, 2c, ...]`` (natural chunks
+    ``2i, 2i+1``) -> its zig-zag chunks ``i, 2P-1-i``, by two ``ppermute`` s
+    (:func:`flashlab.scale.ring_layout.zigzag_sends`); ``inverse`` deals them back. ``None`` stays."""
+    if x is None:
+        return None
+    even, odd = ring_layout.zigzag_sends(P)
+    first_is_even = jax.lax.axis_index(axis) % 2 == 0
+    a, b = _chunk(x, 2)
+    if not inverse:                               # a = chunk 2i, b = chunk 2i+1
+        e, o = jax.lax.ppermute(a, axis, even), jax.lax.ppermute(b, axis, odd)
+        return jnp.where(first_is_even, jnp.concatenate([e, o], 1), jnp.concatenate([o, e], 1))
+    e = jnp.where(first_is_even, a, b)            # this device's even and odd chunks
+    o = jnp.where(first_is_even, b, a)
+    flip = lambda pairs: [(d, s) for s, d in pairs]  # noqa: E731
+    return jnp.concatenate([jax.lax.ppermute(e, axis, flip(even)),
+                            jax.lax.ppermute(o, axis, flip(odd))], 1)
 
 
 def _ring_loop(step, carry, P):
@@ -513,33 +525,39 @@ def _aux_of(spec):
 @functools.lru_cache(maxsize=64)
 def _ring_program(cfg: _RingConfig, mesh, layout: str, batch_axis, head_axis,
                   aux_keys: tuple, count_blocks: bool = False):
-    """A jitted ``(q, k, v, aux) -> out`` (or block counts): permute into the layout, run the
-    per-device ring under ``shard_map``, permute back. Cached per configuration."""
-    T, S = cfg.cq * cfg.nc * cfg.P, cfg.ck * cfg.nc * cfg.P
-    perm_q = ring_layout.permutation(T, cfg.P, layout)
-    perm_k = ring_layout.permutation(S, cfg.P, layout)
+    """A jitted ``(q, k, v, aux) -> out`` (or block counts): one ``shard_map`` that deals each
+    device's contiguous shard into the layout (:func:`_zigzag`), runs the per-device ring and
+    deals the output back. Cached per configuration."""
     x_spec = PS(batch_axis, cfg.axis, head_axis, None)
     s_spec = PS(batch_axis, cfg.axis)
     aux_specs = {n: (PS(batch_axis) if n.endswith("len") else s_spec) for n in aux_keys}
     in_specs = (x_spec, x_spec, x_spec, aux_specs)
 
+    zigzag = layout == "zigzag"
+
+    def deal(q, k, v, a, inverse=False):
+        # Natural order -> layout order on the devices themselves (two ppermutes per array):
+        # per-device memory stays O(N/P), where a global gather would be O(N).
+        if not zigzag:
+            return q, k, v, a
+        z = functools.partial(_zigzag, axis=cfg.axis, P=cfg.P, inverse=inverse)
+        a = {n: (z(x) if n.endswith("seg") else x) for n, x in a.items()}
+        return z(q), z(k), z(v), a
+
     def run(query, key, value, aux):
-        # Natural order -> layout order: device i then owns its chunks under PartitionSpec(axis).
-        q_l = _take_seq(query, perm_q, mesh, x_spec)
-        k_l, v_l = _take_seq(key, perm_k, mesh, x_spec), _take_seq(value, perm_k, mesh, x_spec)
-        aux = dict(aux)
-        if "q_seg" in aux:
-            aux["q_seg"] = _take_seq(aux["q_seg"], perm_q, mesh, s_spec)
-            aux["kv_seg"] = _take_seq(aux["kv_seg"], perm_k, mesh, s_spec)
-        args = _place_all((q_l, k_l, v_l, aux), in_specs, mesh)
+        args = _place_all((query, key, value, dict(aux)), in_specs, mesh)
         if count_blocks:
             def count(q, k, v, a):
-                return _ring_forward(q, k, v, a, cfg)[2][None]
+                return _ring_forward(*deal(q, k, v, a), cfg)[2][None]
             return shard_map(count, mesh=mesh, in_specs=in_specs, out_specs=PS(cfg.axis),
                              check=False)(*args)
-        out_l = shard_map(_ring_core(cfg), mesh=mesh, in_specs=in_specs, out_specs=x_spec,
-                          check=False)(*args)
-        return _take_seq(out_l, ring_layout.inverse_permutation(perm_q), mesh, x_spec)
+        core = _ring_core(cfg)
+
+        def ring(q, k, v, a):
+            out = core(*deal(q, k, v, a))
+            return _zigzag(out, cfg.axis, cfg.P, inverse=True) if zigzag else out
+        return shard_map(ring, mesh=mesh, in_specs=in_specs, out_specs=x_spec,
+                         check=False)(*args)
 
     return jax.jit(run)
 
@@ -559,7 +577,8 @@ def ring_attention(query, key, value, bias=None, mask=None, *, mesh, axis_name: 
       mesh, axis_name: the ring runs over this mesh axis.
       layout: ``"zigzag"`` (default; device ``i`` holds sequence chunks ``i`` and ``2P-1-i`` so
         causal work is balanced) or ``"contiguous"``. The permutation into the layout (and
-        back) is applied here; a training pipeline would feed tokens already in layout order.
+        back) runs on the devices as two ``ppermute`` s per array, so per-device memory stays
+        ``O(N/P)``.
       batch_axis, head_axis: optional further mesh axes splitting batch / kv heads.
       backend: what computes each step's block: ``"tiled"``, ``"pallas_tpu"`` (our kernel;
         the Pallas interpreter off-TPU), or ``"auto"`` (``pallas_tpu`` on a TPU, else

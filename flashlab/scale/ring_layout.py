@@ -20,7 +20,8 @@ import numpy as np
 from flashlab.contract.masks import block_maybe_visible
 
 __all__ = ["LAYOUTS", "chunks_per_device", "device_chunks", "chunk_starts", "permutation",
-           "inverse_permutation", "ring_schedule", "visible_pairs", "work_per_device"]
+           "inverse_permutation", "ring_schedule", "visible_pairs", "work_per_device",
+           "zigzag_sends"]
 
 LAYOUTS = ("contiguous", "zigzag")
 
@@ -117,3 +118,19 @@ def work_per_device(num_devices: int, layout: str, *, is_causal: bool = False, w
     pairs = visible_pairs(P, layout, is_causal=is_causal, window=window, n=n)
     unit = (2 / nc) ** 2                  # a contiguous chunk pair is 2x2 zig-zag chunk pairs
     return pairs.sum(axis=(0, 2, 3)) * unit
+
+
+def zigzag_sends(num_devices: int) -> tuple[list, list]:
+    """The two ``ppermute`` s that deal a contiguously sharded sequence into the zig-zag layout.
+
+    Sharded in natural order, device ``i`` holds chunks ``2i`` and ``2i+1`` (of ``2P``). Each
+    device owns one even and one odd chunk (``j`` and ``2P-1-j`` differ in parity), so
+    sending every even chunk to its owner is one permutation, every odd chunk another:
+    ``(even_pairs, odd_pairs)``, each ``[(source, destination)]``. The receiver ``j`` puts the
+    chunk it receives first (slot 0, chunk ``j``) from the even send when ``j`` is even, else
+    from the odd one. Reversed pairs undo it. Nothing is gathered: each device sends and
+    receives ``2 · n/(2P)`` tokens.
+    """
+    P = num_devices
+    owner = {int(c): j for j, cs in enumerate(device_chunks(P, "zigzag")) for c in cs}
+    return ([(i, owner[2 * i]) for i in range(P)], [(i, owner[2 * i + 1]) for i in range(P)])

@@ -109,31 +109,37 @@ def paged_cache_figure(lengths: Sequence[int] = (37, 12, 58), *, page_size: int 
 
 
 def page_walk_figure(lengths: Sequence[int] = (40, 17, 64), *, q_heads: int = 8,
-                     kv_heads: int = 2, page_size: int = 16, num_splits: int | None = None):
-    """The decode kernel's grid replayed: at each grid step ``(b, s, i)`` the pool page its K
-    index map asks for, and whether the pipeline copies it (a clamped step asks for the page
-    already resident: no copy)."""
+                     kv_heads: int = 2, page_size: int = 16, num_splits: int | None = None,
+                     pages_per_block: int | None = 2):
+    """The decode kernel's grid replayed: at each grid step ``(b, s, i)`` the pool page each of
+    its ``pages_per_block`` K operands asks for, and whether the pipeline copies it (a clamped
+    operand asks for the page it already holds: no copy). ``None``: the kernel's default."""
     plt = _plt()
     kg = decode_traffic.decode_kernel_grid(lengths=lengths, q_heads=q_heads,
                                            kv_heads=kv_heads, page_size=page_size,
-                                           num_splits=num_splits)
+                                           num_splits=num_splits,
+                                           pages_per_block=pages_per_block)
     sched = traffic.tile_schedule(kg)
-    k = sched["ops"]["k"]
-    steps = np.arange(len(k["copied"]))
-    page = k["index"][:, 0]
+    names = [o for o in sched["ops"] if o[0] == "k" and o[1:].isdigit() or o == "k"]
     b = sched["grid_points"][:, 0]
+    steps = np.arange(len(b))
     fig, ax = plt.subplots(figsize=(7.2, 2.6), dpi=90)
-    for bb in range(len(lengths)):
-        sel = b == bb
-        ax.step(steps[sel], page[sel], where="mid", color=f"C{bb}", lw=1,
-                label=f"seq {bb}: L={lengths[bb]}")
-        cp = sel & k["copied"]
-        ax.plot(steps[cp], page[cp], "o", color=f"C{bb}", ms=7, mec="k", mew=0.5)
-        nc = sel & ~k["copied"]
-        ax.plot(steps[nc], page[nc], "o", mfc="w", mec=f"C{bb}", ms=7)
-    ax.set_xlabel("grid step (b, s, i) in execution order")
+    copies = 0
+    for t, name in enumerate(names):
+        k = sched["ops"][name]
+        page = k["index"][:, 0]
+        copies += int(k["copied"].sum())
+        x = steps + (t - (len(names) - 1) / 2) * 0.18          # operands side by side
+        for bb in range(len(lengths)):
+            sel = b == bb
+            cp, nc = sel & k["copied"], sel & ~k["copied"]
+            ax.plot(x[cp], page[cp], "os^v"[t % 4], color=f"C{bb}", ms=6, mec="k", mew=0.5,
+                    label=f"seq {bb}: L={lengths[bb]}" if t == 0 else None)
+            ax.plot(x[nc], page[nc], "os^v"[t % 4], mfc="w", mec=f"C{bb}", ms=6)
+    ax.set_xlabel(f"grid step (b, s, i) in execution order; {len(names)} K operands per step "
+                  "(o, s, ^, v)")
     ax.set_ylabel("pool page of K")
-    ax.set_title(f"the page walk: {int(k['copied'].sum())} page copies in {len(steps)} steps "
+    ax.set_title(f"the page walk: {copies} page copies in {len(steps)} steps "
                  "(filled = DMA, open = clamped, no copy)", fontsize=9)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
