@@ -30,7 +30,8 @@ from flashlab.dispatch.registry import backends
 from flashlab.kernels import flash_attention
 from flashlab.ladder.reference import naive_attention, oracle_attention
 from flashlab.ladder.tiled import tiled_attention
-from flashlab.scale.distributed import ring_attention, sharded_attention
+from flashlab.scale.distributed import sharded_attention
+from flashlab.scale.ring import ring_attention
 from flashlab.serving.decode import decode_attention
 from flashlab.serving.kv_cache import KVCache
 

@@ -25,7 +25,8 @@ from cases import mask_kwargs  # noqa: E402
 from conftest import random_qkv  # noqa: E402
 
 from flashlab.scale import ring_layout
-from flashlab.scale.distributed import ring_attention, ring_block_counts, sharded_attention
+from flashlab.scale.distributed import sharded_attention
+from flashlab.scale.ring import ring_attention, ring_block_counts
 from flashlab.ladder.reference import naive_attention, oracle_attention
 
 FWD_ATOL = 2e-5      # fp32 outputs of unit-scale inputs vs the float64 oracle

@@ -51,7 +51,7 @@ def run_child(a) -> dict:
     import numpy as np  # noqa: PLC0415
 
     from flashlab.instruments import comm_model
-    from flashlab.scale.distributed import block_functions, ring_attention
+    from flashlab.scale.ring import block_functions, ring_attention
     from flashlab.contract.masks import validate
     from flashlab.instruments.measure import compiled_memory_bytes, time_fn
     from flashlab.compat.shard_map import shard_map

@@ -80,7 +80,7 @@ def tpu_ring_schedule(chip: str = "v5e", devices: int = 4, *, seq: int = 4096, h
     import jax.numpy as jnp  # noqa: PLC0415
 
     from flashlab.instruments import tpu_compile
-    from flashlab.scale.distributed import ring_attention
+    from flashlab.scale.ring import ring_attention
     mesh = tpu_compile.mesh(chip, (devices,), ("sp",))
     x = jax.ShapeDtypeStruct((1, seq, heads, head_dim), jnp.bfloat16)
 

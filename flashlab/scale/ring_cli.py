@@ -3,7 +3,7 @@
 The launcher picks a free port on 127.0.0.1 and starts ``--processes`` Python processes, each
 with ``--devices-per-process`` simulated CPU devices. Each process joins JAX's own distributed
 runtime (``jax.distributed.initialize``, the CPU collectives over gloo), builds the same global
-Q, K, V from a seed, and runs :func:`flashlab.scale.distributed.ring_attention` forward and
+Q, K, V from a seed, and runs :func:`flashlab.scale.ring.ring_attention` forward and
 backward over *all* devices with the chosen backend. Process 0 checks the output and the gradients
 against the float64 oracle and prints per-device block counts and timings.
 
@@ -184,7 +184,7 @@ def worker(args) -> int:
     from jax.sharding import PartitionSpec as PS  # noqa: PLC0415
 
     from flashlab.dispatch import conformance
-    from flashlab.scale.distributed import ring_attention, ring_block_counts
+    from flashlab.scale.ring import ring_attention, ring_block_counts
     from flashlab.ladder.reference import oracle_attention
 
     me = jax.process_index()
