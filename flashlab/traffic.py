@@ -535,7 +535,10 @@ def kernel_grid(kernel: str, *, batch: int, heads: int, seq_len: int, head_dim: 
                          head_dim=head_dim, head_dim_v=head_dim if head_dim_v is None else head_dim_v,
                          dtype=dt, scale=1.0 / math.sqrt(head_dim), is_causal=bool(is_causal),
                          window=window, soft_cap=None)
-    cfg = kfwd.make_config(spec, block_q=block_q, block_k=block_k, return_lse=return_lse)
+    # The dense grid (B, H, T_r, T_c): the forward's visit grid (kernels/visit.py) copies the
+    # same blocks in the same order (tests/test_kernel_visit.py replays both).
+    cfg = kfwd.make_config(spec, block_q=block_q, block_k=block_k, return_lse=return_lse,
+                           visit_grid=False)
     if kernel == "forward":
         gs, name = kfwd.forward_grid_spec(cfg), "flashlab_flash_forward"
     else:

@@ -31,6 +31,7 @@ from ..masks import AttentionSpec
 from ..shard_map_compat import in_manual_mesh, pvary, shape_dtype, vma_of
 from . import _pallas_compat as compat
 from . import blocks as blk
+from . import visit
 from ._pallas_compat import pl
 
 __all__ = ["ForwardConfig", "ForwardGridSpec", "make_config", "forward_grid_spec", "index_maps",
@@ -73,6 +74,7 @@ class ForwardConfig:
     has_offsets: bool = False       # q/kv offsets: a third scalar-prefetch operand [2] int32
     chip: str | None = None         # the TPU generation the blocks and VMEM limit are for
     has_sinks: bool = False         # sinks [Hq]: merged into each row's state at finalize
+    visit_grid: bool = False        # grid (B, H, n) over the visible blocks (kernels/visit.py)
 
     @property
     def group_size(self) -> int:
@@ -104,15 +106,28 @@ class ForwardConfig:
 
     @property
     def grid(self) -> tuple[int, int, int, int]:
+        """The dense grid ``(B, H, T_r, T_c)`` (the backward's dQ kernel runs it too)."""
         return (self.batch, self.num_heads, self.num_q_blocks, self.num_kv_blocks)
+
+    def visits(self) -> np.ndarray:
+        """The packed visit list ``int32 [n]`` of the visit grid (:mod:`.visit`)."""
+        return visit.visit_table(num_q_blocks=self.num_q_blocks,
+                                 num_kv_blocks=self.num_kv_blocks, q_len=self.q_len,
+                                 kv_len=self.kv_len, block_q=self.block_q,
+                                 block_k=self.block_k, is_causal=self.is_causal,
+                                 window=self.window)
 
 
 def make_config(spec: AttentionSpec, *, block_q=None, block_k=None, return_lse=False,
-                chip=None) -> ForwardConfig:
+                chip=None, visit_grid: bool | None = None) -> ForwardConfig:
     """Build (and check) the kernel configuration for a validated request.
 
     ``chip``: the TPU generation to size blocks and the VMEM limit for; ``None`` reads the
     compile target (:func:`flashlab.kernels.blocks.resolve_chip`: explicit ``chip`` wins).
+    ``visit_grid``: run the forward over the visible blocks only (:mod:`.visit`); ``None``
+    (default) does so when that removes grid steps (causal, window, padding) and the request
+    has no offsets (traced offsets move the visible set at run time), ``False`` keeps the
+    dense grid; ``True`` where it is impossible raises ``ValueError``.
     """
     chip = blk.resolve_chip(chip)
     dt = jnp.dtype(spec.dtype)
@@ -142,7 +157,28 @@ def make_config(spec: AttentionSpec, *, block_q=None, block_k=None, return_lse=F
         mask_kv_len=spec.kv_lengths is not None or blk.round_up(spec.kv_len, int(block_k)) != spec.kv_len,
         return_lse=return_lse, has_offsets=spec.has_offsets, chip=chip,
         has_sinks=spec.sinks is not None)
-    return cfg
+    return dataclasses.replace(cfg, visit_grid=_use_visit_grid(cfg, visit_grid))
+
+
+def _use_visit_grid(cfg: ForwardConfig, want: bool | None) -> bool:
+    if want is not None and not isinstance(want, bool):
+        raise TypeError(f"visit_grid: expected None, True or False, got {want!r}")
+    if want is False:
+        return False
+    why = None
+    if cfg.has_offsets:
+        why = "the request has q/kv offsets (traced: the visible set is known only at run time)"
+    else:
+        n = len(cfg.visits())
+        if n > visit.MAX_VISITS:
+            why = f"{n} visits per (batch, head) exceed visit.MAX_VISITS={visit.MAX_VISITS}"
+        elif want is None and n >= cfg.num_q_blocks * cfg.num_kv_blocks:
+            return False                     # nothing skipped: the dense grid is as short
+    if why is not None:
+        if want:
+            raise ValueError(f"visit_grid=True: not possible here: {why}")
+        return False
+    return True
 
 
 # ----------------------------------------------------------------------------- grid as data
@@ -171,9 +207,13 @@ class ForwardGridSpec:
     dimension_semantics: tuple[str, ...] = ("parallel", "parallel", "parallel", "arbitrary")
 
     def __post_init__(self):
-        # With offsets the kernels take a third scalar-prefetch operand ([2] int32 offsets).
+        # With offsets the kernels take a third scalar-prefetch operand ([2] int32 offsets);
+        # the forward's visit grid (B, H, n) takes the visit list [n] int32 instead.
         if getattr(self.config, "has_offsets", False) and self.num_scalar_prefetch == 2:
             object.__setattr__(self, "num_scalar_prefetch", 3)
+        if len(self.grid) == 3 and self.num_scalar_prefetch == 2:
+            object.__setattr__(self, "num_scalar_prefetch", 3)
+            object.__setattr__(self, "dimension_semantics", ("parallel", "parallel", "arbitrary"))
 
     def pallas_grid_spec(self):
         """The ``pltpu.PrefetchScalarGridSpec`` handed to ``pallas_call``."""
@@ -279,12 +319,54 @@ def index_maps(cfg: ForwardConfig) -> IndexMaps:
                      kv_seg_index_map)
 
 
+def visit_index_maps(cfg: ForwardConfig) -> IndexMaps:
+    """Index maps of the visit grid ``(b, h, t)``: ``(i, j)`` decoded from ``visits[t]``.
+
+    Every map is ``(b, h, t, q_lengths, kv_lengths, visits) -> block index``. The list holds
+    only positionally visible pairs; data-dependent lengths (``mask_q_len``/``mask_kv_len``)
+    still clamp ``j`` so that a step past them copies nothing.
+    """
+    G = cfg.group_size
+    clamp = cfg.mask_q_len or cfg.mask_kv_len
+
+    def ij(b, t, q_lengths, kv_lengths, visits):
+        i, j, _ = visit.unpack(visits[t])
+        if clamp:
+            lo, hi = _kv_range(cfg, b, i, q_lengths, kv_lengths)
+            j = blk.clamp_kv_block(j, lo, hi, cfg.num_kv_blocks)
+        return i, j
+
+    def q_map(b, h, t, q_lengths, kv_lengths, visits):
+        return (b, h, visit.unpack(visits[t])[0], 0)
+
+    def kv_map(b, h, t, *pref):
+        return (b, blk.div_nonneg(h, G), ij(b, t, *pref)[1], 0)
+
+    def scores_for(bcast):
+        def scores_map(b, h, t, *pref):
+            i, j = ij(b, t, *pref)
+            return (0 if bcast[0] else b, 0 if bcast[1] else h, i, j)
+        return scores_map
+
+    def q_seg_map(b, h, t, q_lengths, kv_lengths, visits):
+        return (b, visit.unpack(visits[t])[0], 0)
+
+    def kv_seg_map(b, h, t, *pref):
+        return (b, 0, ij(b, t, *pref)[1])
+
+    return IndexMaps(q_map, kv_map, scores_for, q_seg_map, kv_seg_map)
+
+
 def forward_grid_spec(cfg: ForwardConfig) -> ForwardGridSpec:
-    """Build the grid, BlockSpecs (with their index maps) and scratch of the forward kernel."""
+    """Build the grid, BlockSpecs (with their index maps) and scratch of the forward kernel.
+
+    The dense grid ``(B, H, T_r, T_c)``, or with ``cfg.visit_grid`` ``(B, H, n)`` over the
+    visit list (a third scalar-prefetch operand, ``visits [n]`` int32).
+    """
     B, N = cfg.batch, cfg.num_heads
     bq, bk = cfg.block_q, cfg.block_k
     Tp, Sp, Dp, Dvp = cfg.q_len_p, cfg.kv_len_p, cfg.head_dim_p, cfg.head_dim_v_p
-    maps = index_maps(cfg)
+    maps = visit_index_maps(cfg) if cfg.visit_grid else index_maps(cfg)
     q_index_map, kv_index_map = maps.q, maps.kv
 
     sds = jax.ShapeDtypeStruct
@@ -310,13 +392,14 @@ def forward_grid_spec(cfg: ForwardConfig) -> ForwardGridSpec:
     scratch = (compat.VMEM((bq, blk.LANES), jnp.float32),   # m, lane-replicated
                compat.VMEM((bq, blk.LANES), jnp.float32),   # l, lane-replicated
                compat.VMEM((bq, Dvp), jnp.float32))         # acc (unnormalised O)
-    return ForwardGridSpec(config=cfg, grid=cfg.grid, in_names=tuple(names),
+    grid = (B, N, len(cfg.visits())) if cfg.visit_grid else cfg.grid
+    return ForwardGridSpec(config=cfg, grid=grid, in_names=tuple(names),
                            in_specs=tuple(specs), in_shapes=tuple(shapes),
                            out_names=tuple(out_names), out_specs=tuple(out_specs),
                            out_shapes=tuple(out_shapes), scratch_shapes=scratch)
 
 
-def _sinks_index_map(b, h, i, j, q_lengths, kv_lengths, offsets=None):
+def _sinks_index_map(b, h, *_):
     return (h, 0, 0)
 
 
@@ -364,17 +447,25 @@ def score_tile(ins, cfg: ForwardConfig, q_start, k_start, q_len, kv_len):
 
 
 def _forward_kernel(q_lengths_ref, kv_lengths_ref, *refs, cfg: ForwardConfig, names):
-    """One grid step ``(b, h, i, j)``: fold S_ij into (m, l, acc); finalize at the last j."""
+    """One grid step ``(b, h, i, j)`` (or ``(b, h, t)`` of the visit grid): fold S_ij into
+    (m, l, acc); init at the row's first step, finalize at its last."""
     offsets_ref, refs = (refs[0], refs[1:]) if cfg.has_offsets else (None, refs)
+    visits_ref, refs = (refs[0], refs[1:]) if cfg.visit_grid else (None, refs)
     n_in = len(names)
     ins = dict(zip(names, refs[:n_in]))
     outs = refs[n_in:n_in + 1 + cfg.return_lse]
     m_ref, l_ref, acc_ref = refs[n_in + 1 + cfg.return_lse:]
-    b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+    b = pl.program_id(0)
     bq, bk = cfg.block_q, cfg.block_k
     q_len, kv_len = q_lengths_ref[b], kv_lengths_ref[b]          # int32 scalars from SMEM
+    if cfg.visit_grid:
+        i, j, flags = visit.unpack(visits_ref[pl.program_id(2)])
+        first, last = (flags & visit.FIRST) != 0, (flags & visit.LAST) != 0
+    else:
+        i, j = pl.program_id(2), pl.program_id(3)
+        first, last = j == 0, j == cfg.num_kv_blocks - 1
 
-    @pl.when(j == 0)
+    @pl.when(first)
     def _init():                                                  # m = -inf, l = 0, acc = 0
         m_ref[...] = jnp.full(m_ref.shape, online_softmax.NEG_INF, jnp.float32)
         l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
@@ -382,33 +473,40 @@ def _forward_kernel(q_lengths_ref, kv_lengths_ref, *refs, cfg: ForwardConfig, na
 
     # Global positions (= local ones without offsets): the one mask definition sees those.
     q_start, k_start, q_len, kv_len = global_starts(offsets_ref, i * bq, j * bk, q_len, kv_len)
-    run = jnp.logical_and(
-        masks.block_maybe_visible(q_start, q_start + bq, k_start, k_start + bk,
-                                  is_causal=cfg.is_causal, window=cfg.window),
-        jnp.logical_and(k_start < kv_len, q_start < q_len))
+    if cfg.visit_grid:   # listed = positionally visible; only run-time lengths left to test
+        run = (flags & visit.EMPTY) == 0
+        if cfg.mask_kv_len:
+            run = jnp.logical_and(run, k_start < kv_len)
+        if cfg.mask_q_len:
+            run = jnp.logical_and(run, q_start < q_len)
+    else:
+        run = jnp.logical_and(
+            masks.block_maybe_visible(q_start, q_start + bq, k_start, k_start + bk,
+                                      is_causal=cfg.is_causal, window=cfg.window),
+            jnp.logical_and(k_start < kv_len, q_start < q_len))
 
     @pl.when(run)
     def _compute():
         s, _, visible = score_tile(ins, cfg, q_start, k_start, q_len, kv_len)  # [B_r, B_c]
-        # m and l are lane-replicated [B_r, 128]: a lane max recovers the [B_r] vector.
-        state = online_softmax.State(jnp.max(m_ref[...], axis=-1), jnp.max(l_ref[...], axis=-1),
-                                     acc_ref[...])
-        m, l, acc = online_softmax.update(state, s, ins["v"][...], visible=visible)
-        m_ref[...] = jnp.broadcast_to(m[:, None], m_ref.shape)
-        l_ref[...] = jnp.broadcast_to(l[:, None], l_ref.shape)
+        # m and l stay lane-replicated [B_r, 128] and are updated elementwise: the tile's row
+        # max and row sum are the only cross-lane reductions of a step.
+        state = online_softmax.State(m_ref[...], l_ref[...], acc_ref[...])
+        m, l, acc = online_softmax.update(state, s, ins["v"][...], visible=visible, lanes=True)
+        m_ref[...] = m
+        l_ref[...] = l
         acc_ref[...] = acc
 
-    @pl.when(j == cfg.num_kv_blocks - 1)
-    def _finalize():                                              # O_i = acc / l
-        state = online_softmax.State(jnp.max(m_ref[...], axis=-1), jnp.max(l_ref[...], axis=-1),
-                                     acc_ref[...])
+    @pl.when(last)
+    def _finalize():                                              # O_i = acc * (1 / l)
+        state = online_softmax.State(m_ref[...], l_ref[...], acc_ref[...])
         if cfg.has_sinks:                                         # + exp(sink - m) in l
-            sink = jnp.full(state.m.shape, jnp.max(ins["sinks"][...]), jnp.float32)
-            state = online_softmax.merge(state, online_softmax.sink_state(sink, acc_ref.shape[-1]))
-        o, lse = online_softmax.finalize(state)
+            sink = jnp.broadcast_to(ins["sinks"][0:1, :], m_ref.shape)   # [B_r, 128]
+            state = online_softmax.merge(
+                state, online_softmax.sink_state(sink, acc_ref.shape[-1], lanes=True), lanes=True)
+        o, lse = online_softmax.finalize(state, lanes=True)      # lse [B_r, 128] replicated
         outs[0][...] = o.astype(outs[0].dtype)
         if cfg.return_lse:
-            outs[1][...] = jnp.broadcast_to(lse[:, None], outs[1].shape)
+            outs[1][...] = lse
 
 
 def _cost_estimate(cfg: ForwardConfig, gs: ForwardGridSpec) -> Any:
@@ -453,6 +551,7 @@ def varying_out_shapes(gs, *operands) -> list:
 
 
 def _pallas_forward(cfg: ForwardConfig, interpret, q_lengths, kv_lengths, *operands):
+    """``operands``: [offsets] or [visits] (scalar prefetch), then the arrays of ``in_names``."""
     gs = forward_grid_spec(cfg)
     kernel = functools.partial(_forward_kernel, cfg=cfg, names=gs.in_names)
     kwargs = {}
@@ -508,8 +607,9 @@ def _forward(query, key, value, spec, *, cfg: ForwardConfig, interpret):
     q_lengths, kv_lengths, ops = _prepare(cfg, query, key, value, spec)
     if cfg.has_sinks:            # forward only: the backward kernels never read the sink
         ops.append(sinks_operand(spec.sinks))
+    visits = [jnp.asarray(cfg.visits())] if cfg.visit_grid else []
     outs = _pallas_forward(cfg, interpret, q_lengths, kv_lengths,
-                           *offset_operands(cfg, spec), *ops)
+                           *offset_operands(cfg, spec), *visits, *ops)
     o = jnp.swapaxes(outs[0][:, :, :cfg.q_len, :cfg.head_dim_v], 1, 2)   # [B, T, N, d_v]
     lse = outs[1][:, :, :cfg.q_len, 0] if cfg.return_lse else None      # [B, N, T]
     return o, lse
