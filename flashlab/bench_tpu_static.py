@@ -25,7 +25,7 @@ from pathlib import Path
 from . import tpu_dump
 
 __all__ = ["build", "measure", "chip_clock", "main", "LIBRARIES", "MATMULS", "header", "table",
-           "stored", "STORED", "training_step_table"]
+           "stored", "STORED", "training_step_table", "update_rows", "best_blocks"]
 
 # One run of this bench, committed for the book (chapters 05, 07, 09): its header says which
 # jax, libtpu and flashlab commit produced it. Regenerate with the command in its "args".
@@ -43,15 +43,18 @@ def _flashlab(chip, backward, causal, block, shape, dtype):
     from .kernels import backward as bw, blocks, forward as fw
     B, T, H, d = shape
     x = jax.ShapeDtypeStruct((B, T, H, d), dtype)
-    fb = (block, block) if block else blocks.choose_block_sizes(T, T, d, dtype, chip)
+    bq, bk = block if block else (None, None)
     got = {}
 
-    def probe(q, k, v):                      # the backward's blocks as the kernel resolves them
+    def probe(q, k, v):                      # the blocks as the kernels resolve them
         q, k, v, spec = masks.validate(q, k, v, None, None, is_causal=causal)
-        c = bw.make_backward_config(spec, block_q=block, block_k=block, chip=chip)
+        f = fw.make_config(spec, block_q=bq, block_k=bk, chip=chip)
+        got["fwd"] = (f.block_q, f.block_k)
+        c = bw.make_backward_config(spec, block_q=bq, block_k=bk, chip=chip)
         got["bwd"] = [c.block_q, c.block_k]
         return q
     jax.eval_shape(probe, x, x, x)
+    fb = got["fwd"]
 
     def f(q, k, v):
         return fw.flash_attention(q, k, v, is_causal=causal, block_q=fb[0], block_k=fb[1],
@@ -67,9 +70,10 @@ def _splash(chip, backward, causal, block, shape, dtype):
     B, T, H, d = shape
     x = jax.ShapeDtypeStruct((B, H, T, d), dtype)
     one = sa.CausalMask((T, T)) if causal else sa.FullMask((T, T))
+    bq, bk = block if block else (None, None)
     bs = sa.BlockSizes.get_default() if not block else sa.BlockSizes(
-        block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
-        block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
+        block_q=bq, block_kv=bk, block_kv_compute=bk, block_q_dkv=bq,
+        block_kv_dkv=bk, block_kv_dkv_compute=bk, block_q_dq=bq, block_kv_dq=bk)
     kernel = sa.make_splash_mha(sa.MultiHeadMask([one] * H), block_sizes=bs, head_shards=1,
                                 q_seq_shards=1)
     info = {"forward": [bs.block_q, bs.block_kv], "dq": [bs.block_q_dq, bs.block_kv_dq],
@@ -83,11 +87,11 @@ def _jax_flash(chip, backward, causal, block, shape, dtype):
     fa = official_flash_attention()
     B, T, H, d = shape
     x = jax.ShapeDtypeStruct((B, H, T, d), dtype)
-    b = block
+    q, b = block if block else (None, None)
     bs = fa.BlockSizes.get_default(B, H, T, T, d) if not b else fa.BlockSizes(
-        block_q=b, block_k_major=b, block_k=b, block_b=1, block_q_major_dkv=b,
-        block_k_major_dkv=b, block_k_dkv=b, block_q_dkv=b, block_k_major_dq=b, block_k_dq=b,
-        block_q_dq=b)
+        block_q=q, block_k_major=b, block_k=b, block_b=1, block_q_major_dkv=q,
+        block_k_major_dkv=b, block_k_dkv=b, block_q_dkv=q, block_k_major_dq=b, block_k_dq=b,
+        block_q_dq=q)
 
     def f(q, k, v):
         return fa.flash_attention(q, k, v, causal=causal, sm_scale=d ** -0.5, block_sizes=bs)
@@ -106,10 +110,13 @@ def build(*, chip: str, library: str, backward: bool, batch: int, seq_len: int, 
     ``fn`` is the library's forward on ``[batch, seq, heads, head_dim]`` (flashlab) or
     ``[batch, heads, seq, head_dim]`` (the official kernels), or ``jax.grad`` of its sum
     w.r.t. q, k, v when ``backward``; ``block``: ``None`` for the library's default blocks,
-    else ``block x block`` everywhere. ``info["blocks"]``: (block_q, block_k) per kernel.
+    an int for ``block x block`` everywhere, or a pair ``(block_q, block_k)``.
+    ``info["blocks"]``: (block_q, block_k) per kernel.
     """
     import jax
     import jax.numpy as jnp
+    if isinstance(block, int):
+        block = (block, block)
     f, args, blocks = _BUILDERS[library](chip, backward, causal, block,
                                          (batch, seq_len, heads, head_dim), jnp.dtype(dtype))
     if backward:
@@ -152,11 +159,14 @@ def _row(k: tpu_dump.KernelDump, blocks, *, chip, library, mode, batch, seq_len,
     bq, bk = blocks
     steps = math.prod(k.grid)
     rows = math.prod(k.grid[:-1])
+    if library == "flashlab" and k.role == "forward" and len(k.grid) == 3:
+        rows = batch * heads * -(-seq_len // bq)    # visit grid (B, H, n): one row per q block
     tiles = batch * heads * _visible_tiles(seq_len, bq, bk, causal)
     cycles = tpu_schedule.kernel_cycles(s, steps=steps, tiles=tiles, rows=rows)
     hz, peak, _ = chip_clock(chip)
     flops = attention_flops(batch, heads, seq_len, seq_len, head_dim, causal) * MATMULS[k.role] / 2
     r = dict(chip=chip, library=library, kernel=k.role, blocks=mode, block_q=bq, block_k=bk,
+             seq_len=seq_len, head_dim=head_dim, causal=causal,
              name=k.name, grid=list(k.grid), tile_cycles=s.tile_cycles,
              step_cycles=s.step_cycles, init_cycles=s.init_cycles,
              finalize_cycles=s.finalize_cycles, outside_loop_cycles=s.outside_loop_cycles,
@@ -176,10 +186,13 @@ def _row(k: tpu_dump.KernelDump, blocks, *, chip, library, mode, batch, seq_len,
 def measure(*, chips, libraries=LIBRARIES, modes=("default", "equal"), block=512, batch=2,
             seq_len=8192, heads=16, head_dim=128, dtype="bfloat16", causal=True,
             kernels=tuple(MATMULS), timeline_chip=None, timeout=1800, progress=True,
-            jobs_in_parallel=1):
+            jobs_in_parallel=1, sweep=()):
     """Compile and read every (chip, library, block mode); returns ``(rows, versions)``.
 
-    ``jobs_in_parallel``: compiles at once (each a child process of ~1-3 GB)."""
+    ``jobs_in_parallel``: compiles at once (each a child process of ~1-3 GB).
+    ``sweep``: ``(block_q, block_k)`` pairs, each one more mode (rows with ``blocks="sweep"``).
+    """
+    modes = list(modes) + [("sweep", tuple(p)) for p in sweep]
     jobs = [(c, lib, m, bwd) for c in chips for lib in libraries for m in modes
             for bwd in (False, True) if (bwd and {"dq", "dkdv"} & set(kernels))
             or (not bwd and "forward" in kernels)]
@@ -196,10 +209,11 @@ def measure(*, chips, libraries=LIBRARIES, modes=("default", "equal"), block=512
 
     def one(job):
         c, lib, m, bwd = job
+        blk = None if m == "default" else m[1] if isinstance(m, tuple) else block
         try:
             return tpu_dump.schedules("flashlab.bench_tpu_static:build", c, timeout=timeout,
                                       library=lib, backward=bwd, dtype=dtype, causal=causal,
-                                      block=None if m == "default" else block, **shape)
+                                      block=blk, **shape)
         except Exception as e:  # noqa: BLE001 - a rejected compile is a result; see below
             from . import tpu_compile
             if not isinstance(e, (tpu_compile.CompileError, TimeoutError)):
@@ -218,6 +232,7 @@ def measure(*, chips, libraries=LIBRARIES, modes=("default", "equal"), block=512
             if bar is not None:
                 bar.update()
     for (c, lib, m, bwd), d in zip(jobs, results):
+        m = m[0] if isinstance(m, tuple) else m
         if isinstance(d, Exception):
             e = d
             for role in (("dq", "dkdv") if bwd else ("forward",)):
@@ -234,8 +249,10 @@ def measure(*, chips, libraries=LIBRARIES, modes=("default", "equal"), block=512
     if bar is not None:
         bar.close()
     for r in rows:                                   # ratio to splash, same chip/kernel/mode
+        key = lambda x: (x["chip"], x["kernel"], x["blocks"],  # noqa: E731
+                         (x.get("block_q"), x.get("block_k")) if x["blocks"] == "sweep" else 0)
         ref = [x for x in rows if x.get("library") == "splash" and "error" not in x
-               and (x["chip"], x["kernel"], x["blocks"]) == (r["chip"], r["kernel"], r["blocks"])]
+               and "error" not in r and key(x) == key(r)]
         r["ratio_splash"] = (r["est_cycles"] / ref[0]["est_cycles"]
                              if ref and "error" not in r else None)
     return rows, versions
@@ -248,6 +265,55 @@ def stored(path=None) -> dict:
         raise FileNotFoundError(f"{p}: no stored tpu-static run; make one with "
                                 f"python -m flashlab bench tpu-static --json {p}")
     return json.loads(p.read_text())
+
+
+def _row_key(r) -> tuple:
+    """Rows replace each other by (chip, library, kernel, blocks) and, for sweep rows, blocks
+    and shape (a sweep has one row per block pair and shape)."""
+    k = (r["chip"], r["library"], r["kernel"], r["blocks"])
+    if r["blocks"] == "sweep":
+        k += (r.get("block_q"), r.get("block_k"), r.get("seq_len"), r.get("head_dim"),
+              r.get("causal"))
+    return k
+
+
+def update_rows(path, rows, *, versions: dict, command: str, commit: str) -> dict:
+    """Replace the rows of the stored run at ``path`` that have the same (chip, library,
+    kernel, blocks) as ``rows`` (also block pair and shape for sweep rows), append the rest;
+    each new row records ``command``, ``commit`` and ``versions``. Returns the new document."""
+    p = Path(path)
+    doc = json.loads(p.read_text()) if p.exists() else {"versions": versions, "args": {},
+                                                        "rows": []}
+    new = {}
+    for r in rows:
+        r = dict(r, command=command, commit=commit, versions=dict(versions))
+        new[_row_key(r)] = r
+    out, seen = [], set()
+    for r in doc["rows"]:
+        k = _row_key(r)
+        if k in new:
+            if k not in seen:
+                out.append(new[k])
+                seen.add(k)
+        else:
+            out.append(r)
+    out += [r for k, r in new.items() if k not in seen]
+    doc["rows"] = out
+    p.write_text(json.dumps(doc, indent=1) + "\n")
+    return doc
+
+
+def best_blocks(rows, *, kernel="forward") -> dict:
+    """``{(chip, library): row}``: the lowest whole-kernel estimate among a sweep's rows
+    (and the default/equal rows) of one kernel."""
+    best = {}
+    for r in rows:
+        if r.get("kernel") != kernel or "error" in r or r.get("est_cycles") is None:
+            continue
+        k = (r["chip"], r["library"])
+        if k not in best or r["est_cycles"] < best[k]["est_cycles"]:
+            best[k] = r
+    return best
 
 
 def _commit() -> str:
@@ -353,7 +419,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--timeout", type=_positive("--timeout"), default=1800,
                    help="seconds per compile (default 1800: a loaded 2-core machine needs it)")
+    p.add_argument("--sweep", nargs="+", metavar="BQxBK", default=[],
+                   help="also each of these (block_q x block_k) pairs, e.g. 512x1024, for "
+                        "every library (rows with blocks 'sweep')")
     p.add_argument("--json", metavar="PATH", help="write the rows and header as JSON")
+    p.add_argument("--update", metavar="PATH",
+                   help="replace the rows of the stored run PATH with the same (chip, library, "
+                        "kernel, blocks) by this run's, recording command and commit per row")
     p.add_argument("--plot", metavar="PATH", help="save a figure of the estimates (png/svg)")
     p.add_argument("--timeline-chip", choices=list(CHIPS),
                    help="also store each equal-block tile's per-cycle unit use for this chip")
@@ -373,6 +445,17 @@ def main(argv=None) -> int:
     if a.seq_len % 128:
         p.error(f"--seq-len: expected a multiple of 128 (the official kernels' minimum "
                 f"block), got {a.seq_len}")
+    sweep = []
+    for text in a.sweep:
+        parts = text.lower().split("x")
+        if len(parts) != 2 or not all(x.isdigit() and int(x) > 0 for x in parts):
+            p.error(f"--sweep: expected BQxBK like 512x1024, got {text!r}")
+        bq, bk = map(int, parts)
+        if bk % 128 or bq % 8:
+            p.error(f"--sweep: block_k must be a multiple of 128 and block_q of 8, got {text!r}")
+        if a.seq_len % bq or a.seq_len % bk:
+            p.error(f"--sweep: --seq-len {a.seq_len} is not a multiple of {text!r}")
+        sweep.append((bq, bk))
     from . import tpu_compile
     if not tpu_compile.available():
         p.error(f"libtpu (the TPU compiler) is not installed: {tpu_compile.INSTALL}")
@@ -380,7 +463,7 @@ def main(argv=None) -> int:
         chips=a.chip, libraries=a.library, modes=a.blocks, block=a.block, batch=a.batch,
         seq_len=a.seq_len, heads=a.heads, head_dim=a.head_dim, dtype=a.dtype, causal=a.causal,
         kernels=a.kernel, timeline_chip=a.timeline_chip, timeout=a.timeout,
-        progress=not a.no_progress, jobs_in_parallel=a.jobs)
+        progress=not a.no_progress, jobs_in_parallel=a.jobs, sweep=sweep)
     args = dict(vars(a), commit=_commit(), command="python -m flashlab bench tpu-static "
                 + " ".join(sys.argv[1:] if argv is None else argv))
     print(header(versions, args))
@@ -390,6 +473,10 @@ def main(argv=None) -> int:
         Path(a.json).write_text(json.dumps(dict(versions=versions, args=args, rows=rows),
                                            indent=1) + "\n")
         print(f"\nwrote {a.json}")
+    if a.update:
+        update_rows(a.update, rows, versions=versions, command=args["command"],
+                    commit=args["commit"])
+        print(f"updated {len(rows)} rows of {a.update}")
     if a.plot:
         from .viz.tpu_schedule import static_estimates_figure
         fig = static_estimates_figure(rows, versions=versions)
