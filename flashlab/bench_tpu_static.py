@@ -25,7 +25,8 @@ from pathlib import Path
 from . import tpu_dump
 
 __all__ = ["build", "measure", "chip_clock", "main", "LIBRARIES", "MATMULS", "header", "table",
-           "stored", "STORED", "training_step_table", "update_rows", "best_blocks"]
+           "stored", "STORED", "training_step_table", "update_rows", "best_blocks",
+           "static_ranking"]
 
 # One run of this bench, committed for the book (chapters 05, 07, 09): its header says which
 # jax, libtpu and flashlab commit produced it. Regenerate with the command in its "args".
@@ -314,6 +315,40 @@ def best_blocks(rows, *, kernel="forward") -> dict:
         if k not in best or r["est_cycles"] < best[k]["est_cycles"]:
             best[k] = r
     return best
+
+
+def static_ranking(chip: str, *, blocks: str = "default", path=None):
+    """The libraries ranked by the stored run's whole-kernel estimate on ``chip``, fastest
+    first: ``([(library, est_ms, kernels)], source)``, or ``([], why)`` when the run has no
+    rows for ``chip``.
+
+    ``est_ms`` sums forward, dQ and dK/dV (one training step's attention) where a library has
+    all three rows at ``blocks``, else the forward alone (``kernels`` says which). Default
+    blocks: what ``attention(backend=...)`` runs for each library. ``source`` names the file,
+    shape, commit and versions the figures come from.
+    """
+    try:
+        doc = stored(path)
+    except FileNotFoundError as e:
+        return [], str(e)
+    by = {}
+    for r in doc["rows"]:
+        if (r.get("chip") == chip and r.get("blocks") == blocks and "error" not in r
+                and r.get("est_ms") is not None):
+            by.setdefault(r["library"], {})[r["kernel"]] = r["est_ms"]
+    if not by:
+        return [], f"the stored static run ({STORED.name}) has no {blocks}-block rows for {chip}"
+    full = all(set(MATMULS) <= set(k) for k in by.values())
+    kernels = tuple(MATMULS) if full else ("forward",)
+    ranked = sorted(((lib, sum(k[n] for n in kernels), kernels) for lib, k in by.items()
+                     if all(n in k for n in kernels)), key=lambda t: t[1])
+    a = doc.get("args", {})
+    v = doc.get("versions", {})
+    src = (f"{STORED.name}: static schedule, B={a.get('batch')} T={a.get('seq_len')} "
+           f"H={a.get('heads')} d={a.get('head_dim')} {a.get('dtype')}"
+           f"{' causal' if a.get('causal') else ''}, jax {v.get('jax')}, libtpu "
+           f"{v.get('libtpu')}")
+    return ranked, src
 
 
 def _commit() -> str:

@@ -1,0 +1,40 @@
+"""``auto`` on a TPU orders the TPU kernels by the committed static table and says so."""
+import json
+
+import jax.numpy as jnp
+
+from flashlab import bench_tpu_static, registry
+from flashlab.masks import validate
+
+
+def _spec():
+    return validate(*(jnp.zeros((1, 256, 2, 128), jnp.bfloat16),) * 3, is_causal=True)[3]
+
+
+def _rows(chip, ms):
+    return [dict(chip=chip, library=lib, kernel=k, blocks="default", est_ms=v / 3)
+            for lib, v in ms.items() for k in ("forward", "dq", "dkdv")]
+
+
+def test_auto_on_tpu_follows_the_static_table(tmp_path, monkeypatch):
+    p = tmp_path / "tpu_static.json"
+    p.write_text(json.dumps(dict(versions={}, args={}, rows=_rows(
+        "v5e", {"flashlab": 9.0, "splash": 6.0, "jax_pallas_flash": 12.0}))))
+    monkeypatch.setattr(bench_tpu_static, "STORED", p)
+    c = registry.choose(_spec(), platform="tpu")
+    assert c.backend == "splash"
+    assert "splash 6.00 ms" in c.reason and "pallas_tpu 9.00 ms" in c.reason
+    assert "forward+dq+dkdv" in c.reason
+
+
+def test_auto_on_tpu_without_figures_says_so(tmp_path, monkeypatch):
+    p = tmp_path / "tpu_static.json"
+    p.write_text(json.dumps(dict(versions={}, args={}, rows=_rows("v6e", {"splash": 1.0}))))
+    monkeypatch.setattr(bench_tpu_static, "STORED", p)
+    c = registry.choose(_spec(), platform="tpu")     # target chip: v5e (no TPU here)
+    assert c.backend == "pallas_tpu" and "no static figure for v5e" in c.reason
+
+
+def test_committed_table_quoted():
+    c = registry.choose(_spec(), platform="tpu")
+    assert "static table on" in c.reason and "ms" in c.reason
