@@ -38,3 +38,14 @@ def test_auto_on_tpu_without_figures_says_so(tmp_path, monkeypatch):
 def test_committed_table_quoted():
     c = registry.choose(_spec(), platform="tpu")
     assert "static table on" in c.reason and "ms" in c.reason
+
+
+def test_forward_optimisation_rows_are_measured_and_tabulated():
+    from flashlab.viz import tpu_schedule as viz
+    rows = viz.optimisation_rows()
+    assert rows[0]["step"] == "baseline" and all(r["command"].startswith("python -m flashlab")
+                                                 and r["commit"] for r in rows)
+    assert rows[1]["tile_cycles"] < rows[0]["tile_cycles"]
+    assert rows[2]["est_cycles"] < rows[1]["est_cycles"]
+    text = viz.optimisation_table(rows)
+    assert str(rows[0]["tile_cycles"]) in text and "VALU" in text
