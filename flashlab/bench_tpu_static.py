@@ -167,7 +167,7 @@ def _row(k: tpu_dump.KernelDump, blocks, *, chip, library, mode, batch, seq_len,
     hz, peak, _ = chip_clock(chip)
     flops = attention_flops(batch, heads, seq_len, seq_len, head_dim, causal) * MATMULS[k.role] / 2
     r = dict(chip=chip, library=library, kernel=k.role, blocks=mode, block_q=bq, block_k=bk,
-             seq_len=seq_len, head_dim=head_dim, causal=causal,
+             seq_len=seq_len, head_dim=head_dim, causal=causal, batch=batch, heads=heads,
              name=k.name, grid=list(k.grid), tile_cycles=s.tile_cycles,
              step_cycles=s.step_cycles, init_cycles=s.init_cycles,
              finalize_cycles=s.finalize_cycles, outside_loop_cycles=s.outside_loop_cycles,
@@ -458,6 +458,9 @@ def parser() -> argparse.ArgumentParser:
                    help="also each of these (block_q x block_k) pairs, e.g. 512x1024, for "
                         "every library (rows with blocks 'sweep')")
     p.add_argument("--json", metavar="PATH", help="write the rows and header as JSON")
+    p.add_argument("--blocks-table", metavar="PATH",
+                   help="store flashlab's fastest forward blocks of this run per (chip, shape "
+                        "class) in PATH (flashlab/data/tpu_blocks.json: the default blocks)")
     p.add_argument("--update", metavar="PATH",
                    help="replace the rows of the stored run PATH with the same (chip, library, "
                         "kernel, blocks) by this run's, recording command and commit per row")
@@ -512,6 +515,14 @@ def main(argv=None) -> int:
         update_rows(a.update, rows, versions=versions, command=args["command"],
                     commit=args["commit"])
         print(f"updated {len(rows)} rows of {a.update}")
+    if a.blocks_table:
+        from .kernels import tuned_blocks
+        entries = tuned_blocks.entries_from_rows(rows, dtype=a.dtype, command=args["command"],
+                                                 commit=args["commit"], versions=versions)
+        tuned_blocks.write(a.blocks_table, entries)
+        for e in entries:
+            print(f"{a.blocks_table}: {e['chip']} causal={e['causal']} d={e['head_dim']} "
+                  f"T in [{e['seq_min']}, {e['seq_max']}]: {e['block_q']}x{e['block_k']}")
     if a.plot:
         from .viz.tpu_schedule import static_estimates_figure
         fig = static_estimates_figure(rows, versions=versions)

@@ -192,16 +192,31 @@ def check_block_sizes(block_q, block_k, *, head_dim, dtype, head_dim_v=None, bia
 
 def choose_block_sizes(q_len: int, kv_len: int, head_dim: int, dtype, chip: str | None = None,
                        *, head_dim_v: int | None = None, bias_dtype=None, has_mask=False,
-                       has_segments=False, return_lse=False) -> tuple[int, int]:
+                       has_segments=False, return_lse=False,
+                       is_causal: bool | None = None) -> tuple[int, int]:
     """Default ``(block_q, block_k)`` for a problem on a TPU generation.
 
-    Start from large blocks (B_r = 512, B_c = 1024: few grid steps, long DMAs, a full MXU;
+    With ``is_causal`` given (the forward kernel gives it), first the measured table
+    (:mod:`flashlab.kernels.tuned_blocks`: the static bench's sweep winner per chip and shape
+    class), if the request falls in a measured class and the pair fits. Else the heuristic:
+    start from large blocks (B_r = 512, B_c = 1024: few grid steps, long DMAs, a full MXU;
     fixed 128-blocks leave a v5e/v6e MXU waiting on per-step overhead), never larger than the
     (padded) sequence, then halve B_c, then B_r, until :func:`vmem_bytes` fits
     :func:`vmem_budget_bytes` of ``chip``. Both respect the tiling rule.
     """
     rule = _sublane_rule(dtype, bias_dtype, has_mask)
     budget = vmem_budget_bytes(chip)
+    if is_causal is not None:
+        from . import tuned_blocks
+        e = tuned_blocks.lookup(q_len, kv_len, head_dim, dtype, resolve_chip(chip),
+                                is_causal=is_causal)
+        if (e is not None and e["block_q"] % rule == 0 and e["block_k"] % LANES == 0
+                and e["block_q"] <= round_up(q_len, rule)
+                and e["block_k"] <= round_up(kv_len, LANES)
+                and vmem_bytes(e["block_q"], e["block_k"], head_dim, dtype,
+                               head_dim_v=head_dim_v, bias_dtype=bias_dtype, has_mask=has_mask,
+                               has_segments=has_segments, return_lse=return_lse) <= budget):
+            return e["block_q"], e["block_k"]
     bq = min(512, round_up(q_len, rule))
     bk = min(1024 if lane_pad(head_dim) <= 128 else 512, round_up(kv_len, LANES))
 

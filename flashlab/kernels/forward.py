@@ -140,7 +140,8 @@ def make_config(spec: AttentionSpec, *, block_q=None, block_k=None, return_lse=F
             bias_dtype = jnp.dtype(jnp.float32)       # converted in the wrapper
     kw = dict(head_dim_v=spec.head_dim_v, bias_dtype=bias_dtype, has_mask=spec.mask is not None,
               has_segments=spec.q_segment_ids is not None, return_lse=return_lse)
-    auto_q, auto_k = blk.choose_block_sizes(spec.q_len, spec.kv_len, spec.head_dim, dt, chip, **kw)
+    auto_q, auto_k = blk.choose_block_sizes(spec.q_len, spec.kv_len, spec.head_dim, dt, chip,
+                                            is_causal=spec.is_causal, **kw)
     block_q = auto_q if block_q is None else block_q
     block_k = auto_k if block_k is None else block_k
     blk.check_block_sizes(block_q, block_k, head_dim=spec.head_dim, dtype=dt, chip=chip, **kw)
