@@ -10,7 +10,12 @@ finalized into ``O_i`` (and optionally ``lse_i``).
 Block skipping, with neither compute nor DMA: the kv index maps clamp ``j`` into the range of
 blocks q block ``i`` can see (causal, window, valid lengths; :func:`blocks.kv_block_range`), so
 a skipped step asks for the block already resident and the pipeline copies nothing; the
-kernel's ``pl.when(masks.block_maybe_visible(...))`` skips its compute.
+kernel's ``pl.when(masks.block_maybe_visible(...))`` skips its compute. Where causal, window
+or padding skip blocks (and there are no offsets) the grid is ``(batch, heads, n)`` over the
+visible pairs only (:mod:`flashlab.kernels.visit`): skipped steps then cost nothing at all.
+
+``m`` and ``l`` live lane-replicated in ``[B_r, 128]`` VMEM scratch and are updated
+elementwise (``online_softmax.update(..., lanes=True)``); the lse output is that layout too.
 
 Inside, the layout is ``[batch, heads, seq, head_dim]`` padded to whole blocks (seq) and to
 128 lanes (head_dim); padding keys are masked through the kv length, which is
