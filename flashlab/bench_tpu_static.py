@@ -281,7 +281,8 @@ def _row_key(r) -> tuple:
 def update_rows(path, rows, *, versions: dict, command: str, commit: str) -> dict:
     """Replace the rows of the stored run at ``path`` that have the same (chip, library,
     kernel, blocks) as ``rows`` (also block pair and shape for sweep rows), append the rest;
-    each new row records ``command``, ``commit`` and ``versions``. Returns the new document."""
+    each new row records ``command``, ``commit`` and ``versions``, and the document's
+    ``updates`` list records the run. Returns the new document."""
     p = Path(path)
     doc = json.loads(p.read_text()) if p.exists() else {"versions": versions, "args": {},
                                                         "rows": []}
@@ -300,7 +301,9 @@ def update_rows(path, rows, *, versions: dict, command: str, commit: str) -> dic
             out.append(r)
     out += [r for k, r in new.items() if k not in seen]
     doc["rows"] = out
-    p.write_text(json.dumps(doc, indent=1) + "\n")
+    doc.setdefault("updates", []).append(dict(command=command, commit=commit, rows=len(rows),
+                                              versions=dict(versions)))
+    p.write_text(json.dumps(doc, separators=(",", ":")) + "\n")   # the stored file's format
     return doc
 
 
