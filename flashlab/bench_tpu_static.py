@@ -26,7 +26,7 @@ from . import tpu_dump
 
 __all__ = ["build", "measure", "chip_clock", "main", "LIBRARIES", "MATMULS", "header", "table",
            "stored", "STORED", "training_step_table", "update_rows", "best_blocks",
-           "static_ranking"]
+           "static_ranking", "target_table"]
 
 # One run of this bench, committed for the book (chapters 05, 07, 09): its header says which
 # jax, libtpu and flashlab commit produced it. Regenerate with the command in its "args".
@@ -352,6 +352,35 @@ def static_ranking(chip: str, *, blocks: str = "default", path=None):
            f"{' causal' if a.get('causal') else ''}, jax {v.get('jax')}, libtpu "
            f"{v.get('libtpu')}")
     return ranked, src
+
+
+def target_table(rows, *, kernel: str = "forward", target: float = 0.9) -> str:
+    """flashlab against the better of splash and jax_pallas_flash, per chip: at equal blocks
+    (the ``equal`` rows) and at each library's best blocks (lowest estimate among its
+    default, equal and sweep rows), with the issue's target ratio (``<= target``)."""
+    out = [f"{'chip':4} {'blocks':6} {'flashlab':>18} {'best other':>30} {'ratio':>6} "
+           f"{'target':>7}"]
+    ok = [r for r in rows if r.get("kernel") == kernel and "error" not in r
+          and r.get("est_cycles") is not None]
+    for chip in dict.fromkeys(r["chip"] for r in ok):
+        for mode in ("equal", "best"):
+            pick = {}
+            for lib in LIBRARIES:
+                rs = [r for r in ok if r["chip"] == chip and r["library"] == lib
+                      and (mode == "best" or r["blocks"] == "equal")]
+                if rs:
+                    pick[lib] = min(rs, key=lambda r: r["est_cycles"])
+            others = [pick[k] for k in ("splash", "jax_pallas_flash") if k in pick]
+            if "flashlab" not in pick or not others:
+                continue
+            f, o = pick["flashlab"], min(others, key=lambda r: r["est_cycles"])
+            ratio = f["est_cycles"] / o["est_cycles"]
+            desc = lambda r: (f"{r['est_ms']:.2f} ms {r['block_q']}x{r['block_k']}"  # noqa: E731
+                              if r.get("est_ms") is not None
+                              else f"{r['est_cycles']} cyc {r['block_q']}x{r['block_k']}")
+            out.append(f"{chip:4} {mode:6} {desc(f):>18} {o['library'] + ' ' + desc(o):>30} "
+                       f"{ratio:6.2f} {'met' if ratio <= target else 'MISSED':>7}")
+    return "\n".join(out)
 
 
 def _commit() -> str:

@@ -49,3 +49,14 @@ def test_forward_optimisation_rows_are_measured_and_tabulated():
     assert rows[2]["est_cycles"] < rows[1]["est_cycles"]
     text = viz.optimisation_table(rows)
     assert str(rows[0]["tile_cycles"]) in text and "VALU" in text
+
+
+def test_target_table_compares_with_the_better_official_kernel():
+    rows = [dict(chip="v5e", library=lib, kernel="forward", blocks=b, block_q=q, block_k=q,
+                 est_cycles=c, est_ms=c / 1e3)
+            for lib, b, q, c in [("flashlab", "equal", 512, 90), ("splash", "equal", 512, 120),
+                                 ("jax_pallas_flash", "equal", 512, 100),
+                                 ("flashlab", "sweep", 1024, 80), ("splash", "sweep", 1024, 85)]]
+    text = bench_tpu_static.target_table(rows).splitlines()
+    assert "jax_pallas_flash" in text[1] and "0.90" in text[1] and "met" in text[1]
+    assert "splash" in text[2] and "0.94" in text[2] and "MISSED" in text[2]
