@@ -124,6 +124,8 @@ def test_role_of(name, role):
     (["--block", "0"], "--block: expected a positive integer"),
     (["--chip", "v9"], "invalid choice: 'v9'"),
     (["--seq-len", "1000", "--blocks", "default"], "--seq-len: expected a multiple of 128"),
+    (["--sweep", "512x1000"], "--sweep: block_k must be a multiple of 128"),
+    (["--sweep", "512"], "--sweep: expected BQxBK"),
 ])
 def test_bench_cli_validation(args, match, capsys):
     from flashlab.benchmarks import backends as bench
@@ -136,16 +138,18 @@ def test_bench_cli_validation(args, match, capsys):
 def test_live_compile_bench_rows():
     """One real compile (flashlab forward, v5e): the dump parses, the cross-check passes."""
     from flashlab.benchmarks import tpu_static as bts
+    from flashlab.benchmarks import tpu_static_report
     rows, versions = bts.measure(chips=["v5e"], libraries=["flashlab"], modes=["equal"],
                                  kernels=["forward"], block=512, batch=1, seq_len=4096,
                                  heads=4, progress=False)
     assert versions["libtpu"] and len(rows) == 1, rows
     r = rows[0]
-    assert (r["block_q"], r["block_k"], r["grid"]) == (512, 512, [1, 4, 8, 8])
-    assert r["tiles"] == 4 * 36 and r["rows"] == 4 * 8 and r["steps"] == 4 * 64
+    # causal: the forward's grid runs over the 36 visible blocks of 8 x 8 (kernels/visit.py)
+    assert (r["block_q"], r["block_k"], r["grid"]) == (512, 512, [1, 4, 36])
+    assert r["tiles"] == 4 * 36 and r["rows"] == 4 * 8 and r["steps"] == 4 * 36
     assert r["mxu_cycles"] == 1024 and r["tile_cycles"] > r["mxu_cycles"]
     assert 0 < r["occupancy"] < 1 and r["ratio_floor"] > 1 and r["step_cycles"] > 0
-    assert "not wall time" in bts.header(versions, dict(batch=1, seq_len=4096, heads=4,
+    assert "not wall time" in tpu_static_report.header(versions, dict(batch=1, seq_len=4096, heads=4,
                                                         head_dim=128, dtype="bfloat16",
                                                         causal=True, block=512)).lower()
 

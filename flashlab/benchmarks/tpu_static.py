@@ -19,42 +19,43 @@ import json
 import math
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
+from flashlab.benchmarks.tpu_static_report import (
+    LIBRARIES, MATMULS, header, table, update_rows)
 from flashlab.instruments import tpu_dump
 
-__all__ = ["build", "measure", "chip_clock", "main", "LIBRARIES", "MATMULS", "header", "table",
-           "stored", "STORED", "training_step_table"]
+__all__ = ["build", "measure", "chip_clock", "main", "parser"]
 
 # One run of this bench, committed for the book (chapters 05, 07, 09): its header says which
 # jax, libtpu and flashlab commit produced it. Regenerate with the command in its "args".
-STORED = Path(__file__).resolve().parent.parent / "data" / "tpu_static.json"
 
-LIBRARIES = ("flashlab", "splash", "jax_pallas_flash")
-MATMULS = {"forward": 2, "dq": 3, "dkdv": 4}     # matmuls of one tile, per kernel
-ROLE_LABEL = {"forward": "forward", "dq": "dQ", "dkdv": "dK/dV"}
 TIMELINE_UNITS = ("MXU", "XLU", "VALU", "VPOP", "EUP", "VLOAD", "VSTORE", "SALU")
 
 
 def _flashlab(chip, backward, causal, block, shape, dtype):
     import jax
     from flashlab.contract import masks
-    from flashlab.kernels import backward as bw, blocks, forward as fw
+    from flashlab.kernels import backward as bw
+    from flashlab.kernels import forward_grid
+    from flashlab.kernels import flash
     B, T, H, d = shape
     x = jax.ShapeDtypeStruct((B, T, H, d), dtype)
-    fb = (block, block) if block else blocks.choose_block_sizes(T, T, d, dtype, chip)
+    bq, bk = block if block else (None, None)
     got = {}
 
-    def probe(q, k, v):                      # the backward's blocks as the kernel resolves them
+    def probe(q, k, v):                      # the blocks as the kernels resolve them
         q, k, v, spec = masks.validate(q, k, v, None, None, is_causal=causal)
-        c = bw.make_backward_config(spec, block_q=block, block_k=block, chip=chip)
+        f = forward_grid.make_config(spec, block_q=bq, block_k=bk, chip=chip)
+        got["fwd"] = (f.block_q, f.block_k)
+        c = bw.make_backward_config(spec, block_q=bq, block_k=bk, chip=chip)
         got["bwd"] = [c.block_q, c.block_k]
         return q
     jax.eval_shape(probe, x, x, x)
+    fb = got["fwd"]
 
     def f(q, k, v):
-        return fw.flash_attention(q, k, v, is_causal=causal, block_q=fb[0], block_k=fb[1],
+        return flash.flash_attention(q, k, v, is_causal=causal, block_q=fb[0], block_k=fb[1],
                                   interpret=False, chip=chip)
     info = {"forward": list(fb), "dq": got["bwd"], "dkdv": got["bwd"]}
     return f, (x, x, x), info
@@ -67,9 +68,10 @@ def _splash(chip, backward, causal, block, shape, dtype):
     B, T, H, d = shape
     x = jax.ShapeDtypeStruct((B, H, T, d), dtype)
     one = sa.CausalMask((T, T)) if causal else sa.FullMask((T, T))
+    bq, bk = block if block else (None, None)
     bs = sa.BlockSizes.get_default() if not block else sa.BlockSizes(
-        block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
-        block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
+        block_q=bq, block_kv=bk, block_kv_compute=bk, block_q_dkv=bq,
+        block_kv_dkv=bk, block_kv_dkv_compute=bk, block_q_dq=bq, block_kv_dq=bk)
     kernel = sa.make_splash_mha(sa.MultiHeadMask([one] * H), block_sizes=bs, head_shards=1,
                                 q_seq_shards=1)
     info = {"forward": [bs.block_q, bs.block_kv], "dq": [bs.block_q_dq, bs.block_kv_dq],
@@ -83,11 +85,11 @@ def _jax_flash(chip, backward, causal, block, shape, dtype):
     fa = official_flash_attention()
     B, T, H, d = shape
     x = jax.ShapeDtypeStruct((B, H, T, d), dtype)
-    b = block
+    q, b = block if block else (None, None)
     bs = fa.BlockSizes.get_default(B, H, T, T, d) if not b else fa.BlockSizes(
-        block_q=b, block_k_major=b, block_k=b, block_b=1, block_q_major_dkv=b,
-        block_k_major_dkv=b, block_k_dkv=b, block_q_dkv=b, block_k_major_dq=b, block_k_dq=b,
-        block_q_dq=b)
+        block_q=q, block_k_major=b, block_k=b, block_b=1, block_q_major_dkv=q,
+        block_k_major_dkv=b, block_k_dkv=b, block_q_dkv=q, block_k_major_dq=b, block_k_dq=b,
+        block_q_dq=q)
 
     def f(q, k, v):
         return fa.flash_attention(q, k, v, causal=causal, sm_scale=d ** -0.5, block_sizes=bs)
@@ -107,10 +109,13 @@ def build(*, chip: str, library: str, backward: bool, batch: int, seq_len: int, 
     ``fn`` is the library's forward on ``[batch, seq, heads, head_dim]`` (flashlab) or
     ``[batch, heads, seq, head_dim]`` (the official kernels), or ``jax.grad`` of its sum
     w.r.t. q, k, v when ``backward``; ``block``: ``None`` for the library's default blocks,
-    else ``block x block`` everywhere. ``info["blocks"]``: (block_q, block_k) per kernel.
+    an int for ``block x block`` everywhere, or a pair ``(block_q, block_k)``.
+    ``info["blocks"]``: (block_q, block_k) per kernel.
     """
     import jax
     import jax.numpy as jnp
+    if isinstance(block, int):
+        block = (block, block)
     f, args, blocks = _BUILDERS[library](chip, backward, causal, block,
                                          (batch, seq_len, heads, head_dim), jnp.dtype(dtype))
     if backward:
@@ -153,11 +158,14 @@ def _row(k: tpu_dump.KernelDump, blocks, *, chip, library, mode, batch, seq_len,
     bq, bk = blocks
     steps = math.prod(k.grid)
     rows = math.prod(k.grid[:-1])
+    if library == "flashlab" and k.role == "forward" and len(k.grid) == 3:
+        rows = batch * heads * -(-seq_len // bq)    # visit grid (B, H, n): one row per q block
     tiles = batch * heads * _visible_tiles(seq_len, bq, bk, causal)
     cycles = tpu_schedule.kernel_cycles(s, steps=steps, tiles=tiles, rows=rows)
     hz, peak, _ = chip_clock(chip)
     flops = attention_flops(batch, heads, seq_len, seq_len, head_dim, causal) * MATMULS[k.role] / 2
     r = dict(chip=chip, library=library, kernel=k.role, blocks=mode, block_q=bq, block_k=bk,
+             seq_len=seq_len, head_dim=head_dim, causal=causal, batch=batch, heads=heads,
              name=k.name, grid=list(k.grid), tile_cycles=s.tile_cycles,
              step_cycles=s.step_cycles, init_cycles=s.init_cycles,
              finalize_cycles=s.finalize_cycles, outside_loop_cycles=s.outside_loop_cycles,
@@ -177,10 +185,13 @@ def _row(k: tpu_dump.KernelDump, blocks, *, chip, library, mode, batch, seq_len,
 def measure(*, chips, libraries=LIBRARIES, modes=("default", "equal"), block=512, batch=2,
             seq_len=8192, heads=16, head_dim=128, dtype="bfloat16", causal=True,
             kernels=tuple(MATMULS), timeline_chip=None, timeout=1800, progress=True,
-            jobs_in_parallel=1):
+            jobs_in_parallel=1, sweep=()):
     """Compile and read every (chip, library, block mode); returns ``(rows, versions)``.
 
-    ``jobs_in_parallel``: compiles at once (each a child process of ~1-3 GB)."""
+    ``jobs_in_parallel``: compiles at once (each a child process of ~1-3 GB).
+    ``sweep``: ``(block_q, block_k)`` pairs, each one more mode (rows with ``blocks="sweep"``).
+    """
+    modes = list(modes) + [("sweep", tuple(p)) for p in sweep]
     jobs = [(c, lib, m, bwd) for c in chips for lib in libraries for m in modes
             for bwd in (False, True) if (bwd and {"dq", "dkdv"} & set(kernels))
             or (not bwd and "forward" in kernels)]
@@ -197,10 +208,11 @@ def measure(*, chips, libraries=LIBRARIES, modes=("default", "equal"), block=512
 
     def one(job):
         c, lib, m, bwd = job
+        blk = None if m == "default" else m[1] if isinstance(m, tuple) else block
         try:
             return tpu_dump.schedules("flashlab.benchmarks.tpu_static:build", c, timeout=timeout,
                                       library=lib, backward=bwd, dtype=dtype, causal=causal,
-                                      block=None if m == "default" else block, **shape)
+                                      block=blk, **shape)
         except Exception as e:  # noqa: BLE001 - a rejected compile is a result; see below
             from flashlab.instruments import tpu_compile
             if not isinstance(e, (tpu_compile.CompileError, TimeoutError)):
@@ -219,6 +231,7 @@ def measure(*, chips, libraries=LIBRARIES, modes=("default", "equal"), block=512
             if bar is not None:
                 bar.update()
     for (c, lib, m, bwd), d in zip(jobs, results):
+        m = m[0] if isinstance(m, tuple) else m
         if isinstance(d, Exception):
             e = d
             for role in (("dq", "dkdv") if bwd else ("forward",)):
@@ -235,20 +248,13 @@ def measure(*, chips, libraries=LIBRARIES, modes=("default", "equal"), block=512
     if bar is not None:
         bar.close()
     for r in rows:                                   # ratio to splash, same chip/kernel/mode
+        key = lambda x: (x["chip"], x["kernel"], x["blocks"],  # noqa: E731
+                         (x.get("block_q"), x.get("block_k")) if x["blocks"] == "sweep" else 0)
         ref = [x for x in rows if x.get("library") == "splash" and "error" not in x
-               and (x["chip"], x["kernel"], x["blocks"]) == (r["chip"], r["kernel"], r["blocks"])]
+               and "error" not in r and key(x) == key(r)]
         r["ratio_splash"] = (r["est_cycles"] / ref[0]["est_cycles"]
                              if ref and "error" not in r else None)
     return rows, versions
-
-
-def stored(path=None) -> dict:
-    """The committed run (:data:`STORED`): ``{"versions", "args", "rows"}``."""
-    p = Path(path or STORED)
-    if not p.exists():
-        raise FileNotFoundError(f"{p}: no stored tpu-static run; make one with "
-                                f"python -m flashlab bench tpu-static --json {p}")
-    return json.loads(p.read_text())
 
 
 def _commit() -> str:
@@ -261,63 +267,6 @@ def _commit() -> str:
         return out.stdout.strip() + ("+dirty" if dirty else "") if out.returncode == 0 else "?"
     except (OSError, subprocess.SubprocessError):
         return "?"
-
-
-def header(versions: dict, args: dict) -> str:
-    """What the figures are and are not, with the versions, shape and commit."""
-    return "\n".join([
-        "Static schedule of the real TPU compiler (libtpu's packed bundles, 1 bundle = 1 cycle),",
-        f"jax {versions.get('jax')}, libtpu {versions.get('libtpu')}, flashlab commit "
-        f"{args.get('commit')}.",
-        f"Shape: B={args['batch']} T={args['seq_len']} H={args['heads']} d={args['head_dim']} "
-        f"{args['dtype']} {'causal' if args['causal'] else 'non-causal'}; blocks: each "
-        f"kernel's default, and {args['block']}x{args['block']} for all ('equal').",
-        "NOT wall time: no DMA waits, no HBM bandwidth, no stalls. Per TensorCore. The ms use a",
-        "clock derived from JAX's chip table (see chip_clock). They rank kernels and blocks;",
-        "calibrate on a real TPU when one is available.",
-        "est = steps x step + visible tiles x tile + rows x (init + finalize) + prologue; floor =",
-        "matmul FLOPs / bf16 peak; occ = static MXU occupancy of one tile.",
-    ] + (textwrap.wrap(f"Note: {args['note']}", 92) if args.get("note") else []))
-
-
-def table(rows) -> str:
-    """The plain-text table the CLI prints."""
-    head = (f"{'chip':4} {'kernel':6} {'blocks':7} {'library':17} {'bq x bk':>9} {'tile':>6} "
-            f"{'step':>5} {'occ':>5} {'est ms':>8} {'floor':>6} {'x floor':>7} {'x splash':>8}")
-    out = [head, "-" * len(head)]
-    for r in rows:
-        left = (f"{r['chip']:4} {ROLE_LABEL[r['kernel']]:6} {r['blocks']:7} "
-                f"{r['library']:17}")
-        if "error" in r:
-            out.append(f"{left} FAILED: {r['error']}")
-            continue
-        ms = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
-        rs = "-" if r["ratio_splash"] is None else f"{r['ratio_splash']:.2f}"
-        rf = "-" if r["ratio_floor"] is None else f"{r['ratio_floor']:.2f}"
-        out.append(f"{left} {str(r['block_q']) + 'x' + str(r['block_k']):>9} "
-                   f"{r['tile_cycles']:6d} {r['step_cycles']:5d} {r['occupancy']:5.0%} "
-                   f"{ms(r['est_ms']):>8} {ms(r['floor_ms']):>6} {rf:>7} {rs:>8}")
-    return "\n".join(out)
-
-
-def training_step_table(rows, *, blocks="equal") -> str:
-    """Forward + dQ + dK/dV whole-kernel estimates per chip and library (one training step's
-    attention), with the ratio to splash: what ``auto``'s order on a TPU should follow."""
-    out = [f"{'chip':4} {'library':17} {'fwd+bwd est ms':>14} {'x floor':>7} {'x splash':>8}"]
-    by = {}
-    for r in rows:
-        if r.get("blocks") == blocks and "error" not in r and r.get("est_ms") is not None:
-            t = by.setdefault((r["chip"], r["library"]), [0.0, 0.0, set()])
-            t[0] += r["est_ms"]
-            t[1] += r["floor_ms"]
-            t[2].add(r["kernel"])
-    for (chip, lib), (est, floor, ks) in by.items():
-        if ks != set(MATMULS):
-            continue
-        ref = by.get((chip, "splash"))
-        rs = f"{est / ref[0]:.2f}" if ref and ref[2] == set(MATMULS) else "-"
-        out.append(f"{chip:4} {lib:17} {est:14.2f} {est / floor:7.2f} {rs:>8}")
-    return "\n".join(out)
 
 
 def _positive(name):
@@ -354,7 +303,16 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--timeout", type=_positive("--timeout"), default=1800,
                    help="seconds per compile (default 1800: a loaded 2-core machine needs it)")
+    p.add_argument("--sweep", nargs="+", metavar="BQxBK", default=[],
+                   help="also each of these (block_q x block_k) pairs, e.g. 512x1024, for "
+                        "every library (rows with blocks 'sweep')")
     p.add_argument("--json", metavar="PATH", help="write the rows and header as JSON")
+    p.add_argument("--blocks-table", metavar="PATH",
+                   help="store flashlab's fastest forward blocks of this run per (chip, shape "
+                        "class) in PATH (flashlab/data/tpu_blocks.json: the default blocks)")
+    p.add_argument("--update", metavar="PATH",
+                   help="replace the rows of the stored run PATH with the same (chip, library, "
+                        "kernel, blocks) by this run's, recording command and commit per row")
     p.add_argument("--plot", metavar="PATH", help="save a figure of the estimates (png/svg)")
     p.add_argument("--timeline-chip", choices=list(CHIPS),
                    help="also store each equal-block tile's per-cycle unit use for this chip")
@@ -374,6 +332,17 @@ def main(argv=None) -> int:
     if a.seq_len % 128:
         p.error(f"--seq-len: expected a multiple of 128 (the official kernels' minimum "
                 f"block), got {a.seq_len}")
+    sweep = []
+    for text in a.sweep:
+        parts = text.lower().split("x")
+        if len(parts) != 2 or not all(x.isdigit() and int(x) > 0 for x in parts):
+            p.error(f"--sweep: expected BQxBK like 512x1024, got {text!r}")
+        bq, bk = map(int, parts)
+        if bk % 128 or bq % 8:
+            p.error(f"--sweep: block_k must be a multiple of 128 and block_q of 8, got {text!r}")
+        if a.seq_len % bq or a.seq_len % bk:
+            p.error(f"--sweep: --seq-len {a.seq_len} is not a multiple of {text!r}")
+        sweep.append((bq, bk))
     from flashlab.instruments import tpu_compile
     if not tpu_compile.available():
         p.error(f"libtpu (the TPU compiler) is not installed: {tpu_compile.INSTALL}")
@@ -381,7 +350,7 @@ def main(argv=None) -> int:
         chips=a.chip, libraries=a.library, modes=a.blocks, block=a.block, batch=a.batch,
         seq_len=a.seq_len, heads=a.heads, head_dim=a.head_dim, dtype=a.dtype, causal=a.causal,
         kernels=a.kernel, timeline_chip=a.timeline_chip, timeout=a.timeout,
-        progress=not a.no_progress, jobs_in_parallel=a.jobs)
+        progress=not a.no_progress, jobs_in_parallel=a.jobs, sweep=sweep)
     args = dict(vars(a), commit=_commit(), command="python -m flashlab bench tpu-static "
                 + " ".join(sys.argv[1:] if argv is None else argv))
     print(header(versions, args))
@@ -391,6 +360,18 @@ def main(argv=None) -> int:
         Path(a.json).write_text(json.dumps(dict(versions=versions, args=args, rows=rows),
                                            indent=1) + "\n")
         print(f"\nwrote {a.json}")
+    if a.update:
+        update_rows(a.update, rows, versions=versions, command=args["command"],
+                    commit=args["commit"])
+        print(f"updated {len(rows)} rows of {a.update}")
+    if a.blocks_table:
+        from flashlab.kernels import tuned_blocks
+        entries = tuned_blocks.entries_from_rows(rows, dtype=a.dtype, command=args["command"],
+                                                 commit=args["commit"], versions=versions)
+        tuned_blocks.write(a.blocks_table, entries)
+        for e in entries:
+            print(f"{a.blocks_table}: {e['chip']} causal={e['causal']} d={e['head_dim']} "
+                  f"T in [{e['seq_min']}, {e['seq_max']}]: {e['block_q']}x{e['block_k']}")
     if a.plot:
         from flashlab.viz.tpu_schedule import static_estimates_figure
         fig = static_estimates_figure(rows, versions=versions)

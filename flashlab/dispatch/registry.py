@@ -18,7 +18,7 @@ from typing import Callable
 
 import jax.numpy as jnp
 
-from flashlab.dispatch import adapters
+from flashlab.dispatch import adapters, static_table
 from flashlab.contract import autodiff, device
 from flashlab.contract.masks import AttentionSpec
 
@@ -200,9 +200,31 @@ _PREFERENCE = {
     "cpu": ("xla", "reference"),              # + tiled first for long sequences, see choose()
 }
 
+# The TPU kernels ranked by the committed static table (static_table.static_ranking).
+_TPU_LIBRARY = {"pallas_tpu": "flashlab", "splash": "splash",
+                "jax_pallas_flash": "jax_pallas_flash"}
+
+
+def _tpu_order_by_static_table(order):
+    """``order`` with the TPU kernels sorted by the stored static estimate for the target chip,
+    and the sentence ``explain`` quotes (the figures it chose on, or why there are none)."""
+    from flashlab.kernels import blocks
+    chip = blocks.resolve_chip(None)
+    ranked, source = static_table.static_ranking(chip)
+    if not ranked:
+        return order, f"no static figure for {chip} ({source}): the fixed order"
+    lib_to_backend = {v: k for k, v in _TPU_LIBRARY.items()}
+    kernels = [lib_to_backend[lib] for lib, _, _ in ranked if lib in lib_to_backend]
+    rest = [n for n in order if n not in _TPU_LIBRARY]
+    what = "+".join(ranked[0][2])
+    figures = ", ".join(f"{lib_to_backend.get(lib, lib)} {ms:.2f} ms" for lib, ms, _ in ranked)
+    return kernels + rest, (f"static table on {chip}, {what} est at default blocks: {figures}; "
+                            f"{source}")
+
+
 _WHY = {
     "pallas_tpu": "our Pallas TPU kernel: compiled with Mosaic, O(N) memory",
-    "splash": "the official splash kernel: serves this request where ours cannot",
+    "splash": "the official splash kernel",
     "cudnn": "cuDNN's fused flash attention: fastest on NVIDIA GPUs for fp16/bf16",
     "xla": "XLA's fused attention: fastest here for short sequences",
     "tiled": "the tiled rung: O(N) memory, wins once the score matrix is large",
@@ -237,6 +259,9 @@ def choose(spec: AttentionSpec, backend: str = "auto", *, interpret=None,
         return Choice(b.name, b.mode(platform, interpret), "requested by name", platform)
 
     order = list(_PREFERENCE.get(platform, _PREFERENCE["cpu"]))
+    static_note = None
+    if platform == "tpu":
+        order, static_note = _tpu_order_by_static_table(order)
     long = spec.q_len * spec.kv_len >= CPU_TILED_MIN_SCORES
     if platform == "cpu" and long:
         order.insert(0, "tiled")
@@ -258,6 +283,8 @@ def choose(spec: AttentionSpec, backend: str = "auto", *, interpret=None,
             n = f"T*S = {spec.q_len}*{spec.kv_len}"
             thr = f"{CPU_TILED_MIN_SCORES} (measured crossover)"
             reason += f" ({n} {'>=' if long else '<'} {thr})"
+        if static_note is not None and name in _TPU_LIBRARY:
+            reason += f" ({static_note})"
         return Choice(name, b.mode(platform, interpret), reason, platform, tuple(considered))
     raise NotImplementedError(f"no registered backend supports this request on {platform}: "
                               + "; ".join(f"{n}: {v}" for n, v in considered))

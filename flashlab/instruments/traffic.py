@@ -310,7 +310,7 @@ def kernel_grid(kernel: str, *, batch: int, heads: int, seq_len: int, head_dim: 
 
     ``kernel="forward"``: the grid, BlockSpecs, operand shapes (padded to whole blocks and
     to 128 lanes, as the kernel pads them), scratch and scalar-prefetch lengths that
-    :func:`flashlab.kernels.forward.forward_grid_spec` builds for ``pallas_call`` — the same
+    :func:`flashlab.kernels.forward_grid.forward_grid_spec` builds for ``pallas_call`` — the same
     objects, with the kernel's own block-size checks (``make_config``).
     ``kernel="backward_dkdv"`` / ``"backward_dq"``: the two backward kernels'
     (:func:`flashlab.kernels.backward.dkdv_grid_spec`,
@@ -327,6 +327,7 @@ def kernel_grid(kernel: str, *, batch: int, heads: int, seq_len: int, head_dim: 
                          f"got {kernel!r}")
     try:
         from flashlab.kernels import forward as kfwd
+        from flashlab.kernels import forward_grid
     except ImportError as err:       # a checkout without the kernel rung
         raise NotImplementedError(f"kernel={kernel!r}: flashlab.kernels is not available ({err})"
                                   ) from err
@@ -343,9 +344,12 @@ def kernel_grid(kernel: str, *, batch: int, heads: int, seq_len: int, head_dim: 
                          head_dim=head_dim, head_dim_v=head_dim if head_dim_v is None else head_dim_v,
                          dtype=dt, scale=1.0 / math.sqrt(head_dim), is_causal=bool(is_causal),
                          window=window, soft_cap=None)
-    cfg = kfwd.make_config(spec, block_q=block_q, block_k=block_k, return_lse=return_lse)
+    # The dense grid (B, H, T_r, T_c): the forward's visit grid (kernels/visit.py) copies the
+    # same blocks in the same order (tests/test_kernel_visit.py replays both).
+    cfg = forward_grid.make_config(spec, block_q=block_q, block_k=block_k, return_lse=return_lse,
+                           visit_grid=False)
     if kernel == "forward":
-        gs, name = kfwd.forward_grid_spec(cfg), "flashlab_flash_forward"
+        gs, name = forward_grid.forward_grid_spec(cfg), "flashlab_flash_forward"
     else:
         from flashlab.kernels import backward as kbwd
         gs = (kbwd.dkdv_grid_spec if kernel == "backward_dkdv" else kbwd.dq_grid_spec)(cfg)

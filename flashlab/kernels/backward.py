@@ -39,12 +39,13 @@ from flashlab.contract.masks import AttentionSpec
 from flashlab.compat import pallas as compat
 from flashlab.kernels import blocks as blk
 from flashlab.kernels import forward as fwd
+from flashlab.kernels import forward_grid
 from flashlab.compat.pallas import pl
 
 __all__ = ["BackwardGridSpec", "make_backward_config", "dkdv_grid_spec", "dq_grid_spec",
            "backward_grid_specs", "flash_attention_backward"]
 
-ForwardConfig = fwd.ForwardConfig
+ForwardConfig = forward_grid.ForwardConfig
 STATS_D_LANE = blk.LANES // 2      # the stats operand: lse in lanes [0, 64), D_i in [64, 128)
 
 
@@ -62,7 +63,7 @@ def make_backward_config(spec: AttentionSpec, *, block_q=None, block_k=None,
     bias_dtype = None
     if spec.bias is not None:
         bias_dtype = jnp.dtype(spec.bias.dtype)
-        if bias_dtype not in fwd.SUPPORTED_DTYPES:
+        if bias_dtype not in forward_grid.SUPPORTED_DTYPES:
             bias_dtype = jnp.dtype(jnp.float32)
     kw = dict(head_dim_v=spec.head_dim_v, bias_dtype=bias_dtype, has_mask=spec.mask is not None,
               has_segments=spec.q_segment_ids is not None)
@@ -72,13 +73,13 @@ def make_backward_config(spec: AttentionSpec, *, block_q=None, block_k=None,
     bk = auto_k if block_k is None else block_k
     if not blk._backward_fits(bq, bk, spec.head_dim, dt, chip, **kw):
         bq, bk = auto_q, auto_k
-    return fwd.make_config(spec, block_q=bq, block_k=bk, chip=chip)
+    return forward_grid.make_config(spec, block_q=bq, block_k=bk, chip=chip)
 
 
 # ----------------------------------------------------------------------------- grids as data
 
 @dataclasses.dataclass(frozen=True)
-class BackwardGridSpec(fwd.ForwardGridSpec):
+class BackwardGridSpec(forward_grid.ForwardGridSpec):
     """One backward kernel's grid and BlockSpecs (see :class:`forward.ForwardGridSpec`).
 
     Index maps take ``(*grid indices, q_lengths, kv_lengths)`` and run on ints and NumPy
@@ -103,7 +104,7 @@ def _q_side_operands(cfg, q_map, kv_map, scores_map_for, qseg_map, kvseg_map):
     shapes = [sds((B, N, Tp, Dp), cfg.dtype), sds((B, cfg.num_kv_heads, Sp, Dp), cfg.dtype),
               sds((B, cfg.num_kv_heads, Sp, Dvp), cfg.dtype), sds((B, N, Tp, Dvp), cfg.dtype),
               sds((B, N, Tp, blk.LANES), jnp.float32)]
-    n2, s2, sh2 = fwd.mask_operands(cfg, scores_map_for, qseg_map, kvseg_map)
+    n2, s2, sh2 = forward_grid.mask_operands(cfg, scores_map_for, qseg_map, kvseg_map)
     return names + n2, specs + s2, shapes + sh2
 
 
@@ -111,7 +112,7 @@ def _q_range(cfg, b, j, q_lengths, kv_lengths, offsets=None):
     return blk.q_block_range(j, q_lengths[b], kv_lengths[b], block_q=cfg.block_q,
                              block_k=cfg.block_k, num_q_blocks=cfg.num_q_blocks,
                              is_causal=cfg.is_causal, window=cfg.window,
-                             shift=fwd.offset_shift(offsets))
+                             shift=forward_grid.offset_shift(offsets))
 
 
 def dkdv_grid_spec(cfg: ForwardConfig) -> BackwardGridSpec:
@@ -167,7 +168,7 @@ def dq_grid_spec(cfg: ForwardConfig, with_dbias: bool = True) -> BackwardGridSpe
     """
     bq, bk = cfg.block_q, cfg.block_k
     B, N, Tp, Sp, Dp = cfg.batch, cfg.num_heads, cfg.q_len_p, cfg.kv_len_p, cfg.head_dim_p
-    maps = fwd.index_maps(cfg)                         # the forward's grid and maps
+    maps = forward_grid.index_maps(cfg)                         # the forward's grid and maps
 
     def ds_map(b, h, i, j, q_lengths, kv_lengths, offsets=None):  # every block written
         return (b, h, i, j)
@@ -234,7 +235,7 @@ def _dkdv_kernel(q_lengths_ref, kv_lengths_ref, *refs, cfg: ForwardConfig, names
 
     @pl.when(run)
     def _compute():
-        q, _, do, p, _, ds_raw = _recompute(ins, cfg, *fwd.global_starts(
+        q, _, do, p, _, ds_raw = _recompute(ins, cfg, *forward_grid.global_starts(
             offsets_ref, i * cfg.block_q, j * cfg.block_k, q_len, kv_len))
         tn = (((0,), (0,)), ((), ()))                              # Aᵀ B
         dv_acc[...] += jax.lax.dot_general(p.astype(do.dtype), do, tn,
@@ -263,12 +264,12 @@ def _dq_kernel(q_lengths_ref, kv_lengths_ref, *refs, cfg: ForwardConfig, names, 
     def _init():
         dq_acc[...] = jnp.zeros(dq_acc.shape, jnp.float32)
 
-    lo, hi = fwd._kv_range(cfg, 0, i, (q_len,), (kv_len,), offsets_ref)
+    lo, hi = forward_grid._kv_range(cfg, 0, i, (q_len,), (kv_len,), offsets_ref)
     run = jnp.logical_and(lo <= j, j <= hi)
 
     @pl.when(run)
     def _compute():
-        _, k, _, _, ds, ds_raw = _recompute(ins, cfg, *fwd.global_starts(
+        _, k, _, _, ds, ds_raw = _recompute(ins, cfg, *forward_grid.global_starts(
             offsets_ref, i * cfg.block_q, j * cfg.block_k, q_len, kv_len))
         dq_acc[...] += jax.lax.dot_general(ds_raw.astype(k.dtype), k, (((1,), (0,)), ((), ())),
                                            preferred_element_type=jnp.float32) * cfg.scale

@@ -25,14 +25,13 @@ import numpy as np
 
 from flashlab.compat import pallas as compat
 from flashlab.contract import device
+from flashlab.kernels import tuned_blocks
+from flashlab.kernels.tiling import LANES, SUBLANES, lane_pad, round_up, sublane_tile
 
 __all__ = ["LANES", "SUBLANES", "VMEM_BYTES", "sublane_tile", "round_up", "lane_pad",
            "vmem_capacity_bytes", "vmem_budget_bytes", "vmem_bytes", "choose_block_sizes",
            "check_block_sizes", "kv_block_range",
            "resolve_chip", "vmem_limit_bytes"]
-
-LANES = 128
-SUBLANES = 8
 
 #: VMEM per TensorCore, bytes (JAX 0.10.2 ``tpu_info._get_tpu_info_impl``).
 VMEM_BYTES = {
@@ -44,20 +43,6 @@ VMEM_BYTES = {
 #: the kernels widen the int8 mask block to int32 before comparing.
 NO_INT8_VPU = frozenset({"v2", "v3", "v4", "v4i"})
 DEFAULT_CHIP = "v5e"      # what Colab's TPU runtime gives today; used off-TPU
-
-
-def round_up(x: int, m: int) -> int:
-    return -(-int(x) // m) * m
-
-
-def lane_pad(d: int) -> int:
-    """head_dim padded to a multiple of 128 lanes (64 -> 128, 80 -> 128, 256 -> 256)."""
-    return round_up(d, LANES)
-
-
-def sublane_tile(dtype) -> int:
-    """Rows per native (sublane) tile: 8 for 32-bit, 16 for 16-bit, 32 for 8-bit dtypes."""
-    return SUBLANES * max(1, 4 // jnp.dtype(dtype).itemsize)
 
 
 def resolve_chip(chip: str | None = None) -> str:
@@ -174,16 +159,30 @@ def check_block_sizes(block_q, block_k, *, head_dim, dtype, head_dim_v=None, bia
 
 def choose_block_sizes(q_len: int, kv_len: int, head_dim: int, dtype, chip: str | None = None,
                        *, head_dim_v: int | None = None, bias_dtype=None, has_mask=False,
-                       has_segments=False, return_lse=False) -> tuple[int, int]:
+                       has_segments=False, return_lse=False,
+                       is_causal: bool | None = None) -> tuple[int, int]:
     """Default ``(block_q, block_k)`` for a problem on a TPU generation.
 
-    Start from large blocks (B_r = 512, B_c = 1024: few grid steps, long DMAs, a full MXU;
+    With ``is_causal`` given (the forward kernel gives it), first the measured table
+    (:mod:`flashlab.kernels.tuned_blocks`: the static bench's sweep winner per chip and shape
+    class), if the request falls in a measured class and the pair fits. Else the heuristic:
+    start from large blocks (B_r = 512, B_c = 1024: few grid steps, long DMAs, a full MXU;
     fixed 128-blocks leave a v5e/v6e MXU waiting on per-step overhead), never larger than the
     (padded) sequence, then halve B_c, then B_r, until :func:`vmem_bytes` fits
     :func:`vmem_budget_bytes` of ``chip``. Both respect the tiling rule.
     """
     rule = _sublane_rule(dtype, bias_dtype, has_mask)
     budget = vmem_budget_bytes(chip)
+    if is_causal is not None:
+        e = tuned_blocks.lookup(q_len, kv_len, head_dim, dtype, resolve_chip(chip),
+                                is_causal=is_causal)
+        if (e is not None and e["block_q"] % rule == 0 and e["block_k"] % LANES == 0
+                and e["block_q"] <= round_up(q_len, rule)
+                and e["block_k"] <= round_up(kv_len, LANES)
+                and vmem_bytes(e["block_q"], e["block_k"], head_dim, dtype,
+                               head_dim_v=head_dim_v, bias_dtype=bias_dtype, has_mask=has_mask,
+                               has_segments=has_segments, return_lse=return_lse) <= budget):
+            return e["block_q"], e["block_k"]
     bq = min(512, round_up(q_len, rule))
     bk = min(1024 if lane_pad(head_dim) <= 128 else 512, round_up(kv_len, LANES))
 

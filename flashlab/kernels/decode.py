@@ -38,7 +38,7 @@ from flashlab.compat import pallas as compat
 from flashlab.ladder.decode import fold_heads, paged_view, sink_state, unfold_heads
 from flashlab.kernels import blocks as blk
 from flashlab.compat.pallas import pl
-from flashlab.kernels.forward import ForwardGridSpec
+from flashlab.kernels.forward_grid import ForwardGridSpec
 
 __all__ = ["DecodeConfig", "DecodeGridSpec", "page_schedule", "make_decode_config", "decode_grid_spec",
            "pallas_decode", "decode_call", "choose_num_splits", "SPLIT_MIN_POSITIONS",
@@ -237,7 +237,7 @@ def page_schedule(cfg: DecodeConfig, lengths, page_table):
 class DecodeGridSpec(ForwardGridSpec):
     """The decode kernel's grid and BlockSpecs, exactly the objects ``pallas_call`` gets.
 
-    The forward kernel's container (:class:`flashlab.kernels.forward.ForwardGridSpec`) with
+    The forward kernel's container (:class:`flashlab.kernels.forward_grid.ForwardGridSpec`) with
     ``config`` a :class:`DecodeConfig` and grid ``(batch, splits, blocks_per_split)``; inputs
     ``q``, then ``n`` K pages (``k``, ``k1``, ...) and ``n`` V pages (``v``, ``v1``, ...). Every
     ``index_map`` is ``(b, s, i, lengths, pages) -> block index`` and also runs on ints and

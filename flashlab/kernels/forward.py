@@ -10,7 +10,12 @@ finalized into ``O_i`` (and optionally ``lse_i``).
 Block skipping, with neither compute nor DMA: the kv index maps clamp ``j`` into the range of
 blocks q block ``i`` can see (causal, window, valid lengths; :func:`blocks.kv_block_range`), so
 a skipped step asks for the block already resident and the pipeline copies nothing; the
-kernel's ``pl.when(masks.block_maybe_visible(...))`` skips its compute.
+kernel's ``pl.when(masks.block_maybe_visible(...))`` skips its compute. Where causal, window
+or padding skip blocks (and there are no offsets) the grid is ``(batch, heads, n)`` over the
+visible pairs only (:mod:`flashlab.kernels.visit`): skipped steps then cost nothing at all.
+
+``m`` and ``l`` live lane-replicated in ``[B_r, 128]`` VMEM scratch and are updated
+elementwise (``online_softmax.update(..., lanes=True)``); the lse output is that layout too.
 
 Inside, the layout is ``[batch, heads, seq, head_dim]`` padded to whole blocks (seq) and to
 128 lanes (head_dim); padding keys are masked through the kv length, which is
@@ -18,9 +23,8 @@ scalar-prefetched into SMEM together with the q length.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
-from typing import Any, Callable, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -32,299 +36,12 @@ from flashlab.contract.masks import AttentionSpec
 from flashlab.compat.shard_map import shape_dtype, vma_of
 from flashlab.compat import pallas as compat
 from flashlab.kernels import blocks as blk
+from flashlab.kernels import visit
 from flashlab.compat.pallas import pl
+from flashlab.kernels.forward_grid import (
+    ForwardConfig, ForwardGridSpec, forward_grid_spec, global_starts, make_config, sinks_operand)
 
-__all__ = ["ForwardConfig", "ForwardGridSpec", "make_config", "forward_grid_spec", "index_maps",
-           "flash_attention_forward", "SUPPORTED_DTYPES"]
-
-SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
-
-
-@dataclasses.dataclass(frozen=True)
-class ForwardConfig:
-    """Every static fact the forward kernel is built from (hashable: a jit static argument).
-
-    Sizes are the *padded* ones the kernel sees (``q_len_p = T_r * block_q`` and so on);
-    ``q_len``/``kv_len`` are the caller's. ``bias_bcast``/``mask_bcast`` say whether the
-    batch and head dims of bias/mask are full (False) or 1 (True).
-    """
-
-    batch: int
-    num_heads: int
-    num_kv_heads: int
-    q_len: int
-    kv_len: int
-    head_dim: int
-    head_dim_v: int
-    block_q: int
-    block_k: int
-    dtype: Any
-    scale: float
-    is_causal: bool = False
-    window: tuple[int | None, int | None] | None = None
-    soft_cap: float | None = None
-    bias_dtype: Any = None
-    bias_bcast: tuple[bool, bool] | None = None
-    mask_bcast: tuple[bool, bool] | None = None
-    has_segments: bool = False
-    mask_q_len: bool = False        # query_seq_lengths given: rows past it are masked
-    mask_kv_len: bool = False       # kv lengths given or kv padding: keys past it are masked
-    return_lse: bool = False
-    has_offsets: bool = False       # q/kv offsets: a third scalar-prefetch operand [2] int32
-    chip: str | None = None         # the TPU generation the blocks and VMEM limit are for
-    has_sinks: bool = False         # sinks [Hq]: merged into each row's state at finalize
-
-    @property
-    def group_size(self) -> int:
-        return self.num_heads // self.num_kv_heads
-
-    @property
-    def q_len_p(self) -> int:
-        return blk.round_up(self.q_len, self.block_q)
-
-    @property
-    def kv_len_p(self) -> int:
-        return blk.round_up(self.kv_len, self.block_k)
-
-    @property
-    def head_dim_p(self) -> int:
-        return blk.lane_pad(self.head_dim)
-
-    @property
-    def head_dim_v_p(self) -> int:
-        return blk.lane_pad(self.head_dim_v)
-
-    @property
-    def num_q_blocks(self) -> int:
-        return self.q_len_p // self.block_q
-
-    @property
-    def num_kv_blocks(self) -> int:
-        return self.kv_len_p // self.block_k
-
-    @property
-    def grid(self) -> tuple[int, int, int, int]:
-        return (self.batch, self.num_heads, self.num_q_blocks, self.num_kv_blocks)
-
-
-def make_config(spec: AttentionSpec, *, block_q=None, block_k=None, return_lse=False,
-                chip=None) -> ForwardConfig:
-    """Build (and check) the kernel configuration for a validated request.
-
-    ``chip``: the TPU generation to size blocks and the VMEM limit for; ``None`` reads the
-    compile target (:func:`flashlab.kernels.blocks.resolve_chip`: explicit ``chip`` wins).
-    """
-    chip = blk.resolve_chip(chip)
-    dt = jnp.dtype(spec.dtype)
-    if dt not in SUPPORTED_DTYPES:
-        raise TypeError(f"query: the Pallas TPU kernel supports float32 and bfloat16, got {dt}")
-    bias_dtype = None
-    if spec.bias is not None:
-        bias_dtype = jnp.dtype(spec.bias.dtype)
-        if bias_dtype not in SUPPORTED_DTYPES:
-            bias_dtype = jnp.dtype(jnp.float32)       # converted in the wrapper
-    kw = dict(head_dim_v=spec.head_dim_v, bias_dtype=bias_dtype, has_mask=spec.mask is not None,
-              has_segments=spec.q_segment_ids is not None, return_lse=return_lse)
-    auto_q, auto_k = blk.choose_block_sizes(spec.q_len, spec.kv_len, spec.head_dim, dt, chip, **kw)
-    block_q = auto_q if block_q is None else block_q
-    block_k = auto_k if block_k is None else block_k
-    blk.check_block_sizes(block_q, block_k, head_dim=spec.head_dim, dtype=dt, chip=chip, **kw)
-    bcast = lambda a: None if a is None else (a.shape[0] == 1 and spec.batch > 1,  # noqa: E731
-                                              a.shape[1] == 1 and spec.num_heads > 1)
-    cfg = ForwardConfig(
-        batch=spec.batch, num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
-        q_len=spec.q_len, kv_len=spec.kv_len, head_dim=spec.head_dim,
-        head_dim_v=spec.head_dim_v, block_q=int(block_q), block_k=int(block_k), dtype=dt,
-        scale=spec.scale, is_causal=spec.is_causal, window=spec.window,
-        soft_cap=spec.soft_cap, bias_dtype=bias_dtype, bias_bcast=bcast(spec.bias),
-        mask_bcast=bcast(spec.mask), has_segments=spec.q_segment_ids is not None,
-        mask_q_len=spec.q_lengths is not None,
-        mask_kv_len=spec.kv_lengths is not None or blk.round_up(spec.kv_len, int(block_k)) != spec.kv_len,
-        return_lse=return_lse, has_offsets=spec.has_offsets, chip=chip,
-        has_sinks=spec.sinks is not None)
-    return cfg
-
-
-# ----------------------------------------------------------------------------- grid as data
-
-@dataclasses.dataclass(frozen=True)
-class ForwardGridSpec:
-    """The forward kernel's grid and BlockSpecs, exactly the objects ``pallas_call`` gets.
-
-    ``in_specs[k]`` / ``out_specs[k]`` describe operand ``in_names[k]`` / ``out_names[k]``;
-    every ``index_map`` is a plain Python function ``(b, h, i, j, q_lengths, kv_lengths) ->
-    block index`` that also runs on ints and NumPy arrays, so ``flashlab.instruments.traffic`` and
-    the figures can replay it to count which blocks move at which step. The two scalar-prefetch
-    operands (int32 ``[batch]`` q and kv lengths) come first in the call and in every index map.
-    """
-
-    config: ForwardConfig
-    grid: tuple[int, ...]
-    in_names: tuple[str, ...]
-    in_specs: tuple[Any, ...]
-    in_shapes: tuple[jax.ShapeDtypeStruct, ...]
-    out_names: tuple[str, ...]
-    out_specs: tuple[Any, ...]
-    out_shapes: tuple[jax.ShapeDtypeStruct, ...]
-    scratch_shapes: tuple[Any, ...]
-    num_scalar_prefetch: int = 2
-    dimension_semantics: tuple[str, ...] = ("parallel", "parallel", "parallel", "arbitrary")
-
-    def __post_init__(self):
-        # With offsets the kernels take a third scalar-prefetch operand ([2] int32 offsets).
-        if getattr(self.config, "has_offsets", False) and self.num_scalar_prefetch == 2:
-            object.__setattr__(self, "num_scalar_prefetch", 3)
-
-    def pallas_grid_spec(self):
-        """The ``pltpu.PrefetchScalarGridSpec`` handed to ``pallas_call``."""
-        return compat.PrefetchScalarGridSpec(
-            num_scalar_prefetch=self.num_scalar_prefetch, grid=self.grid,
-            in_specs=list(self.in_specs), out_specs=list(self.out_specs),
-            scratch_shapes=list(self.scratch_shapes))
-
-    def spec(self, name: str):
-        """The BlockSpec of operand ``name`` (an input or an output)."""
-        names = self.in_names + self.out_names
-        return (self.in_specs + self.out_specs)[names.index(name)]
-
-    def shape(self, name: str) -> jax.ShapeDtypeStruct:
-        names = self.in_names + self.out_names
-        return (self.in_shapes + self.out_shapes)[names.index(name)]
-
-
-def _kv_range(cfg: ForwardConfig, b, i, q_lengths, kv_lengths, offsets=None):
-    return blk.kv_block_range(i, q_lengths[b], kv_lengths[b], block_q=cfg.block_q,
-                              block_k=cfg.block_k, num_kv_blocks=cfg.num_kv_blocks,
-                              is_causal=cfg.is_causal, window=cfg.window,
-                              shift=offset_shift(offsets))
-
-
-def offset_shift(offsets):
-    """``q_offset - kv_offset`` from the scalar-prefetched ``offsets`` ``[2]`` (0 without)."""
-    return 0 if offsets is None else offsets[0] - offsets[1]
-
-
-def global_starts(offsets_ref, q_start, k_start, q_len, kv_len):
-    """Local block starts and (local) lengths -> global ones, for the one mask definition."""
-    if offsets_ref is None:
-        return q_start, k_start, q_len, kv_len
-    qo, ko = offsets_ref[0], offsets_ref[1]
-    return q_start + qo, k_start + ko, q_len + qo, kv_len + ko
-
-
-def mask_operands(cfg, scores_map_for, q_seg_map, kv_seg_map):
-    """The optional inputs blocked like the scores: bias, mask, segment ids.
-
-    Shared by the forward and both backward kernels, which differ only in their index maps.
-    Returns ``(names, BlockSpecs, padded HBM shapes)``.
-    """
-    B, N, bq, bk = cfg.batch, cfg.num_heads, cfg.block_q, cfg.block_k
-    Tp, Sp = cfg.q_len_p, cfg.kv_len_p
-    sds = jax.ShapeDtypeStruct
-    names, specs, shapes = [], [], []
-    for name, bcast, dtype in (("bias", cfg.bias_bcast, cfg.bias_dtype),
-                               ("mask", cfg.mask_bcast, jnp.int8)):
-        if bcast is not None:
-            names.append(name)
-            specs.append(pl.BlockSpec((None, None, bq, bk), scores_map_for(bcast)))
-            shapes.append(sds((1 if bcast[0] else B, 1 if bcast[1] else N, Tp, Sp), dtype))
-    if cfg.has_segments:
-        # Segment ids lane-/sublane-replicated so their blocks obey the (8, 128) rule:
-        # q ids [B, T, 128] (block [B_r, 128]), kv ids [B, 8, S] (block [8, B_c]).
-        names += ["q_segment_ids", "kv_segment_ids"]
-        specs += [pl.BlockSpec((None, bq, blk.LANES), q_seg_map),
-                  pl.BlockSpec((None, blk.SUBLANES, bk), kv_seg_map)]
-        shapes += [sds((B, Tp, blk.LANES), jnp.int32), sds((B, blk.SUBLANES, Sp), jnp.int32)]
-    return names, specs, shapes
-
-
-class IndexMaps(NamedTuple):
-    """The index maps of the grid ``(b, h, i, j)`` (the forward's, and the dQ kernel's)."""
-    q: Callable            # Q_i, O_i (and dO_i, dQ_i): fixed over j
-    kv: Callable           # K_j, V_j of kv head h // G, clamped to the visible range
-    scores_for: Callable   # bcast -> the map of a bias/mask blocked like S_ij
-    q_seg: Callable
-    kv_seg: Callable
-
-
-def index_maps(cfg: ForwardConfig) -> IndexMaps:
-    """Index maps for the grid ``(b, h, i, j)``; a skipped step re-maps to a fetched block."""
-    G = cfg.group_size
-
-    # ``offsets`` ([2] int32: q_offset, kv_offset) is the third scalar-prefetch operand when
-    # the spec has offsets; the clamp then follows the global causal/window range.
-    def kv_block(b, i, j, q_lengths, kv_lengths, offsets=None):
-        lo, hi = _kv_range(cfg, b, i, q_lengths, kv_lengths, offsets)
-        return blk.clamp_kv_block(j, lo, hi, cfg.num_kv_blocks)
-
-    def q_index_map(b, h, i, j, q_lengths, kv_lengths, offsets=None):
-        return (b, h, i, 0)
-
-    def kv_index_map(b, h, i, j, q_lengths, kv_lengths, offsets=None):
-        return (b, blk.div_nonneg(h, G), kv_block(b, i, j, q_lengths, kv_lengths, offsets), 0)
-
-    def scores_index_map_for(bcast):
-        def scores_index_map(b, h, i, j, q_lengths, kv_lengths, offsets=None):
-            return (0 if bcast[0] else b, 0 if bcast[1] else h, i,
-                    kv_block(b, i, j, q_lengths, kv_lengths, offsets))
-        return scores_index_map
-
-    def q_seg_index_map(b, h, i, j, q_lengths, kv_lengths, offsets=None):
-        return (b, i, 0)
-
-    def kv_seg_index_map(b, h, i, j, q_lengths, kv_lengths, offsets=None):
-        return (b, 0, kv_block(b, i, j, q_lengths, kv_lengths, offsets))
-
-    return IndexMaps(q_index_map, kv_index_map, scores_index_map_for, q_seg_index_map,
-                     kv_seg_index_map)
-
-
-def forward_grid_spec(cfg: ForwardConfig) -> ForwardGridSpec:
-    """Build the grid, BlockSpecs (with their index maps) and scratch of the forward kernel."""
-    B, N = cfg.batch, cfg.num_heads
-    bq, bk = cfg.block_q, cfg.block_k
-    Tp, Sp, Dp, Dvp = cfg.q_len_p, cfg.kv_len_p, cfg.head_dim_p, cfg.head_dim_v_p
-    maps = index_maps(cfg)
-    q_index_map, kv_index_map = maps.q, maps.kv
-
-    sds = jax.ShapeDtypeStruct
-    names = ["q", "k", "v"]
-    specs = [pl.BlockSpec((None, None, bq, Dp), q_index_map),
-             pl.BlockSpec((None, None, bk, Dp), kv_index_map),
-             pl.BlockSpec((None, None, bk, Dvp), kv_index_map)]
-    shapes = [sds((B, N, Tp, Dp), cfg.dtype), sds((B, cfg.num_kv_heads, Sp, Dp), cfg.dtype),
-              sds((B, cfg.num_kv_heads, Sp, Dvp), cfg.dtype)]
-    n2, s2, sh2 = mask_operands(cfg, maps.scores_for, maps.q_seg, maps.kv_seg)
-    names, specs, shapes = names + n2, specs + s2, shapes + sh2
-    if cfg.has_sinks:    # one (8, 128) tile per head holding its sink logit
-        names.append("sinks")
-        specs.append(pl.BlockSpec((None, blk.SUBLANES, blk.LANES), _sinks_index_map))
-        shapes.append(sds((N, blk.SUBLANES, blk.LANES), jnp.float32))
-    out_names = ["o"]
-    out_specs = [pl.BlockSpec((None, None, bq, Dvp), q_index_map)]
-    out_shapes = [sds((B, N, Tp, Dvp), cfg.dtype)]
-    if cfg.return_lse:   # lse lane-replicated [B, N, T, 128] (a [B_r] vector is not a tile)
-        out_names.append("lse")
-        out_specs.append(pl.BlockSpec((None, None, bq, blk.LANES), q_index_map))
-        out_shapes.append(sds((B, N, Tp, blk.LANES), jnp.float32))
-    scratch = (compat.VMEM((bq, blk.LANES), jnp.float32),   # m, lane-replicated
-               compat.VMEM((bq, blk.LANES), jnp.float32),   # l, lane-replicated
-               compat.VMEM((bq, Dvp), jnp.float32))         # acc (unnormalised O)
-    return ForwardGridSpec(config=cfg, grid=cfg.grid, in_names=tuple(names),
-                           in_specs=tuple(specs), in_shapes=tuple(shapes),
-                           out_names=tuple(out_names), out_specs=tuple(out_specs),
-                           out_shapes=tuple(out_shapes), scratch_shapes=scratch)
-
-
-def _sinks_index_map(b, h, i, j, q_lengths, kv_lengths, offsets=None):
-    return (h, 0, 0)
-
-
-def sinks_operand(sinks):
-    """``sinks [N]`` -> the kernel operand ``[N, 8, 128]`` float32 (one tile per head)."""
-    return jnp.broadcast_to(sinks.astype(jnp.float32)[:, None, None],
-                            (sinks.shape[0], blk.SUBLANES, blk.LANES))
-
+__all__ = ["flash_attention_forward"]
 
 # ----------------------------------------------------------------------------- the kernel
 
@@ -364,17 +81,25 @@ def score_tile(ins, cfg: ForwardConfig, q_start, k_start, q_len, kv_len):
 
 
 def _forward_kernel(q_lengths_ref, kv_lengths_ref, *refs, cfg: ForwardConfig, names):
-    """One grid step ``(b, h, i, j)``: fold S_ij into (m, l, acc); finalize at the last j."""
+    """One grid step ``(b, h, i, j)`` (or ``(b, h, t)`` of the visit grid): fold S_ij into
+    (m, l, acc); init at the row's first step, finalize at its last."""
     offsets_ref, refs = (refs[0], refs[1:]) if cfg.has_offsets else (None, refs)
+    visits_ref, refs = (refs[0], refs[1:]) if cfg.visit_grid else (None, refs)
     n_in = len(names)
     ins = dict(zip(names, refs[:n_in]))
     outs = refs[n_in:n_in + 1 + cfg.return_lse]
     m_ref, l_ref, acc_ref = refs[n_in + 1 + cfg.return_lse:]
-    b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+    b = pl.program_id(0)
     bq, bk = cfg.block_q, cfg.block_k
     q_len, kv_len = q_lengths_ref[b], kv_lengths_ref[b]          # int32 scalars from SMEM
+    if cfg.visit_grid:
+        i, j, flags = visit.unpack(visits_ref[pl.program_id(2)])
+        first, last = (flags & visit.FIRST) != 0, (flags & visit.LAST) != 0
+    else:
+        i, j = pl.program_id(2), pl.program_id(3)
+        first, last = j == 0, j == cfg.num_kv_blocks - 1
 
-    @pl.when(j == 0)
+    @pl.when(first)
     def _init():                                                  # m = -inf, l = 0, acc = 0
         m_ref[...] = jnp.full(m_ref.shape, online_softmax.NEG_INF, jnp.float32)
         l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
@@ -382,33 +107,40 @@ def _forward_kernel(q_lengths_ref, kv_lengths_ref, *refs, cfg: ForwardConfig, na
 
     # Global positions (= local ones without offsets): the one mask definition sees those.
     q_start, k_start, q_len, kv_len = global_starts(offsets_ref, i * bq, j * bk, q_len, kv_len)
-    run = jnp.logical_and(
-        masks.block_maybe_visible(q_start, q_start + bq, k_start, k_start + bk,
-                                  is_causal=cfg.is_causal, window=cfg.window),
-        jnp.logical_and(k_start < kv_len, q_start < q_len))
+    if cfg.visit_grid:   # listed = positionally visible; only run-time lengths left to test
+        run = (flags & visit.EMPTY) == 0
+        if cfg.mask_kv_len:
+            run = jnp.logical_and(run, k_start < kv_len)
+        if cfg.mask_q_len:
+            run = jnp.logical_and(run, q_start < q_len)
+    else:
+        run = jnp.logical_and(
+            masks.block_maybe_visible(q_start, q_start + bq, k_start, k_start + bk,
+                                      is_causal=cfg.is_causal, window=cfg.window),
+            jnp.logical_and(k_start < kv_len, q_start < q_len))
 
     @pl.when(run)
     def _compute():
         s, _, visible = score_tile(ins, cfg, q_start, k_start, q_len, kv_len)  # [B_r, B_c]
-        # m and l are lane-replicated [B_r, 128]: a lane max recovers the [B_r] vector.
-        state = online_softmax.State(jnp.max(m_ref[...], axis=-1), jnp.max(l_ref[...], axis=-1),
-                                     acc_ref[...])
-        m, l, acc = online_softmax.update(state, s, ins["v"][...], visible=visible)
-        m_ref[...] = jnp.broadcast_to(m[:, None], m_ref.shape)
-        l_ref[...] = jnp.broadcast_to(l[:, None], l_ref.shape)
+        # m and l stay lane-replicated [B_r, 128] and are updated elementwise: the tile's row
+        # max and row sum are the only cross-lane reductions of a step.
+        state = online_softmax.State(m_ref[...], l_ref[...], acc_ref[...])
+        m, l, acc = online_softmax.update(state, s, ins["v"][...], visible=visible, lanes=True)
+        m_ref[...] = m
+        l_ref[...] = l
         acc_ref[...] = acc
 
-    @pl.when(j == cfg.num_kv_blocks - 1)
-    def _finalize():                                              # O_i = acc / l
-        state = online_softmax.State(jnp.max(m_ref[...], axis=-1), jnp.max(l_ref[...], axis=-1),
-                                     acc_ref[...])
+    @pl.when(last)
+    def _finalize():                                              # O_i = acc * (1 / l)
+        state = online_softmax.State(m_ref[...], l_ref[...], acc_ref[...])
         if cfg.has_sinks:                                         # + exp(sink - m) in l
-            sink = jnp.full(state.m.shape, jnp.max(ins["sinks"][...]), jnp.float32)
-            state = online_softmax.merge(state, online_softmax.sink_state(sink, acc_ref.shape[-1]))
-        o, lse = online_softmax.finalize(state)
+            sink = jnp.broadcast_to(ins["sinks"][0:1, :], m_ref.shape)   # [B_r, 128]
+            state = online_softmax.merge(
+                state, online_softmax.sink_state(sink, acc_ref.shape[-1], lanes=True), lanes=True)
+        o, lse = online_softmax.finalize(state, lanes=True)      # lse [B_r, 128] replicated
         outs[0][...] = o.astype(outs[0].dtype)
         if cfg.return_lse:
-            outs[1][...] = jnp.broadcast_to(lse[:, None], outs[1].shape)
+            outs[1][...] = lse
 
 
 def _cost_estimate(cfg: ForwardConfig, gs: ForwardGridSpec) -> Any:
@@ -453,6 +185,7 @@ def varying_out_shapes(gs, *operands) -> list:
 
 
 def _pallas_forward(cfg: ForwardConfig, interpret, q_lengths, kv_lengths, *operands):
+    """``operands``: [offsets] or [visits] (scalar prefetch), then the arrays of ``in_names``."""
     gs = forward_grid_spec(cfg)
     kernel = functools.partial(_forward_kernel, cfg=cfg, names=gs.in_names)
     kwargs = {}
@@ -508,8 +241,9 @@ def _forward(query, key, value, spec, *, cfg: ForwardConfig, interpret):
     q_lengths, kv_lengths, ops = _prepare(cfg, query, key, value, spec)
     if cfg.has_sinks:            # forward only: the backward kernels never read the sink
         ops.append(sinks_operand(spec.sinks))
+    visits = [jnp.asarray(cfg.visits())] if cfg.visit_grid else []
     outs = _pallas_forward(cfg, interpret, q_lengths, kv_lengths,
-                           *offset_operands(cfg, spec), *ops)
+                           *offset_operands(cfg, spec), *visits, *ops)
     o = jnp.swapaxes(outs[0][:, :, :cfg.q_len, :cfg.head_dim_v], 1, 2)   # [B, T, N, d_v]
     lse = outs[1][:, :, :cfg.q_len, 0] if cfg.return_lse else None      # [B, N, T]
     return o, lse

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 __all__ = ["State", "init", "update", "merge", "finalize", "from_output", "NEG_INF", "sink_state",
-           "sink_grad"]
+           "sink_grad", "widen"]
 
 NEG_INF = float("-inf")
 
@@ -51,61 +51,92 @@ def _safe(m):
     return jnp.where(m == NEG_INF, 0.0, m)
 
 
-def update(state: State, s_block: jax.Array, v_block: jax.Array, visible=None) -> State:
+def widen(x, n: int):
+    """A lane-replicated ``[..., Br, L]`` -> ``[..., Br, n]`` (``n`` a multiple of ``L``, or
+    ``n <= L``): whole copies side by side, elementwise work with no cross-lane reduction."""
+    L = x.shape[-1]
+    if n == L:
+        return x
+    if n < L:
+        return x[..., :n]
+    return jnp.concatenate([x] * (n // L), axis=-1)
+
+
+def update(state: State, s_block: jax.Array, v_block: jax.Array, visible=None, *,
+           lanes: bool = False) -> State:
     """Fold one block of scores into the running state.
 
     s_block  [..., Br, Bc]  scores (scaled, capped, biased); masked entries may be -inf
     v_block  [..., Bc, d]   values for the block's keys
     visible  [..., Br, Bc]  optional bool; False entries are treated as -inf
+    lanes    ``False``: ``m``, ``l`` are ``[..., Br]``. ``True``: they are lane-replicated
+             ``[..., Br, L]`` (a TPU kernel's VMEM scratch; every lane holds the row's value)
+             and stay so: the block's row max and sum are the only cross-lane reductions,
+             everything else is elementwise (:func:`widen` tiles them across ``Bc`` and ``d``).
     """
     m, l, acc = state
     s = s_block.astype(m.dtype)
     if visible is not None:
         s = jnp.where(visible, s, NEG_INF)
-    m_new = jnp.maximum(m, jnp.max(s, axis=-1))               # [..., Br]
+    m_new = jnp.maximum(m, jnp.max(s, axis=-1, keepdims=lanes))   # [..., Br] / [..., Br, L]
     m_use = _safe(m_new)
-    p = jnp.exp(s - m_use[..., None])                          # [..., Br, Bc]; masked -> 0
-    alpha = jnp.exp(m - m_use)                                 # [..., Br]; m=-inf -> 0
-    l_new = alpha * l + jnp.sum(p, axis=-1)
+    wide = (lambda x, n: widen(x, n)) if lanes else (lambda x, n: x[..., None])
+    p = jnp.exp(s - wide(m_use, s.shape[-1]))                  # [..., Br, Bc]; masked -> 0
+    alpha = jnp.exp(m - m_use)                                 # m=-inf -> 0
+    l_new = alpha * l + jnp.sum(p, axis=-1, keepdims=lanes)
     pv = jnp.einsum("...qk,...kd->...qd", p.astype(v_block.dtype), v_block,
                     preferred_element_type=acc.dtype)
-    return State(m_new, l_new, alpha[..., None] * acc + pv)
+    return State(m_new, l_new, wide(alpha, acc.shape[-1]) * acc + pv)
 
 
-def merge(a: State, b: State) -> State:
-    """Combine two states built over disjoint sets of keys (associative, commutative)."""
+def merge(a: State, b: State, *, lanes: bool = False) -> State:
+    """Combine two states built over disjoint sets of keys (associative, commutative).
+
+    ``lanes``: ``m``, ``l`` lane-replicated ``[..., Br, L]`` (see :func:`update`)."""
     m = jnp.maximum(a.m, b.m)
     m_use = _safe(m)
     wa, wb = jnp.exp(a.m - m_use), jnp.exp(b.m - m_use)
-    return State(m, wa * a.l + wb * b.l, wa[..., None] * a.acc + wb[..., None] * b.acc)
+    d = a.acc.shape[-1]
+    wide = (lambda x: widen(x, d)) if lanes else (lambda x: x[..., None])
+    return State(m, wa * a.l + wb * b.l, wide(wa) * a.acc + wide(wb) * b.acc)
 
 
-def finalize(state: State):
+def finalize(state: State, *, lanes: bool = False):
     """Normalise: ``O = acc / l`` and ``lse = m + log l``.
 
     A row with no visible key (``m == -inf``: nothing seen, or every visible logit ``-inf``)
     gives 0 and ``lse = -inf``. A row whose logits held a NaN (``m`` or ``l`` NaN) gives NaN:
     it is a divergence to report, not an empty row.
     Returns ``(out [..., Br, d], lse [..., Br])`` in the state's dtype (float32 or float64).
+    ``lanes``: ``m``, ``l`` lane-replicated ``[..., Br, L]`` (see :func:`update`); then ``lse``
+    is ``[..., Br, L]`` too and ``O = acc * (1 / l)``: one reciprocal per row (on ``[Br, L]``)
+    and a multiply per element, with the empty-row test on ``[Br, L]`` only.
     """
     m, l, acc = state
     seen = m != NEG_INF                       # True for NaN m: NaN flows through
     l_safe = jnp.where(seen, l, 1.0)
-    out = jnp.where(seen[..., None], acc / l_safe[..., None], 0.0)
     lse = jnp.where(seen, m + jnp.log(l_safe), NEG_INF)
+    if lanes:
+        # 0 for an empty row (its acc is 0: every p was 0, unless V itself holds inf/NaN,
+        # which then shows, as it does in every seen row); NaN l stays NaN.
+        inv = jnp.where(seen, 1.0 / l_safe, 0.0)
+        return acc * widen(inv, acc.shape[-1]), lse
+    out = jnp.where(seen[..., None], acc / l_safe[..., None], 0.0)
     return out, lse
 
 
-def sink_state(sink, head_dim: int) -> State:
+def sink_state(sink, head_dim: int, *, lanes: bool = False) -> State:
     """An attention sink as one more state: ``m = sink``, ``l = 1``, ``acc = 0``.
 
     ``sink`` ``[..., Br]`` float (each row's sink logit). :func:`merge` it into a row's state
     before :func:`finalize` and the sink joins the denominator like a key whose logit is the
     sink and whose value is zero: ``O = acc / (l + exp(sink - m))``. A row with no visible
-    key finalizes to ``O = 0`` and ``lse = sink``.
+    key finalizes to ``O = 0`` and ``lse = sink``. ``lanes``: ``sink`` is lane-replicated
+    ``[..., Br, L]`` (see :func:`update`).
     """
     m = jnp.asarray(sink, jnp.float32)
-    return State(m, jnp.ones_like(m), jnp.zeros((*m.shape, head_dim), jnp.float32))
+    rows = m.shape[:-1] if lanes else m.shape
+    return State(m, jnp.ones_like(m), jnp.zeros((*rows, head_dim), jnp.float32))
 
 
 def sink_grad(sink, lse, D):

@@ -62,8 +62,15 @@ def forward_skip_table(grid_spec, q_lengths, kv_lengths, *, b=0, h=0):
 
     ``computed`` is the kernel's ``pl.when`` predicate (``kv_block_range``); ``fetched_block``
     is the kv block index the K index map asks for at that step (clamped when skipped).
+    A forward on the visit grid (:mod:`flashlab.kernels.visit`) runs only the computed steps
+    and copies the same blocks; the table shows the dense grid it replaces.
     """
     cfg = grid_spec.config
+    if getattr(cfg, "visit_grid", False):
+        import dataclasses
+        from flashlab.kernels import forward as fw
+        from flashlab.kernels import forward_grid
+        grid_spec = forward_grid.forward_grid_spec(dataclasses.replace(cfg, visit_grid=False))
     nq, nk = cfg.num_q_blocks, cfg.num_kv_blocks
     q_lengths, kv_lengths = np.asarray(q_lengths), np.asarray(kv_lengths)
     computed = np.zeros((nq, nk), bool)

@@ -76,3 +76,54 @@ def static_estimates_figure(rows, *, versions=None, blocks="equal"):
                  f"{v.get('libtpu')}); not wall time", fontsize=9)
     fig.tight_layout()
     return fig
+
+
+def optimisation_rows(path=None) -> list[dict]:
+    """The forward kernel's before/after static figures, one row per optimisation, as
+    committed in ``flashlab/data/forward_optimisations.json`` (each row: its step, commit,
+    the tree it was compiled from, the bench command, tile/step/finalize cycles, the
+    whole-kernel estimate and the tile's per-unit busy slots)."""
+    import json
+    from pathlib import Path
+    p = Path(path) if path else Path(__file__).parent.parent / "data" / "forward_optimisations.json"
+    return json.loads(p.read_text())["rows"]
+
+
+def optimisation_table(rows=None) -> str:
+    """Plain-text table of :func:`optimisation_rows`: per step, the tile, per-step and
+    finalize cycles, the whole-kernel estimate, and the busiest units of the tile (busy
+    slots / slots per cycle = the cycles that unit alone needs). Static schedule: no DMA
+    stalls, no HBM bandwidth."""
+    rows = optimisation_rows() if rows is None else rows
+    head = (f"{'step':58} {'tile':>5} {'step':>5} {'final':>5} {'est Mcyc':>8} "
+            f"{'MXU':>5} {'VALU':>5} {'VST':>5} {'XLU':>5}")
+    out = [head, "-" * len(head)]
+    for r in rows:
+        need = {u: r["unit_busy"].get(u, 0) / max(1, r["unit_capacity"].get(u, 1))
+                for u in ("MXU", "VALU", "VSTORE", "XLU")}
+        label = (r["step"] if len(r["step"]) <= 58 else r["step"][:55] + "...")
+        out.append(f"{label:58} {r['tile_cycles']:5d} {r['step_cycles']:5d} "
+                   f"{r['finalize_cycles']:5d} {r['est_cycles'] / 1e6:8.2f} "
+                   + " ".join(f"{need[u]:5.0f}" for u in ("MXU", "VALU", "VSTORE", "XLU")))
+    return "\n".join(out)
+
+
+def optimisation_figure(rows=None):
+    """Bars of :func:`optimisation_rows`: tile, per-step and finalize cycles per step, and the
+    whole-kernel estimate (static schedule: no DMA stalls, no HBM bandwidth)."""
+    rows = optimisation_rows() if rows is None else rows
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.2))
+    x = np.arange(len(rows))
+    for k, (key, label) in enumerate((("tile_cycles", "tile"), ("step_cycles", "per step"),
+                                      ("finalize_cycles", "finalize"))):
+        a.bar(x + (k - 1) * 0.27, [r[key] for r in rows], 0.27, label=label)
+    a.axhline(rows[0]["mxu_cycles"], color="C3", ls="--", lw=1, label="MXU floor of a tile")
+    b.bar(x, [r["est_cycles"] / 1e6 for r in rows], 0.6, color="C0")
+    for ax in (a, b):
+        ax.set_xticks(x, [f"{i}" for i in range(len(rows))])
+        ax.set_xlabel("step (see the table)")
+    a.set_ylabel("cycles")
+    a.legend(fontsize=7)
+    b.set_ylabel("whole-kernel estimate (M cycles)")
+    fig.tight_layout()
+    return fig

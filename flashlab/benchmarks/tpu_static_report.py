@@ -1,0 +1,153 @@
+"""Reports of ``bench tpu-static`` runs: merge a run's rows into the stored file, each
+library's best blocks, the issue-18 target table (flashlab against the better official
+kernel), and the text tables the CLI prints."""
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+__all__ = ["LIBRARIES", "MATMULS", "ROLE_LABEL", "update_rows", "best_blocks", "target_table", "header", "table",
+           "training_step_table"]
+
+LIBRARIES = ("flashlab", "splash", "jax_pallas_flash")
+MATMULS = {"forward": 2, "dq": 3, "dkdv": 4}     # matmuls of one tile, per kernel
+ROLE_LABEL = {"forward": "forward", "dq": "dQ", "dkdv": "dK/dV"}
+
+
+def _row_key(r) -> tuple:
+    """Rows replace each other by (chip, library, kernel, blocks) and, for sweep rows, blocks
+    and shape (a sweep has one row per block pair and shape)."""
+    k = (r["chip"], r["library"], r["kernel"], r["blocks"])
+    if r["blocks"] == "sweep":
+        k += (r.get("block_q"), r.get("block_k"), r.get("seq_len"), r.get("head_dim"),
+              r.get("causal"))
+    return k
+
+
+def update_rows(path, rows, *, versions: dict, command: str, commit: str) -> dict:
+    """Replace the rows of the stored run at ``path`` that have the same (chip, library,
+    kernel, blocks) as ``rows`` (also block pair and shape for sweep rows), append the rest;
+    each new row records ``command``, ``commit`` and ``versions``, and the document's
+    ``updates`` list records the run. Returns the new document."""
+    p = Path(path)
+    doc = json.loads(p.read_text()) if p.exists() else {"versions": versions, "args": {},
+                                                        "rows": []}
+    new = {}
+    for r in rows:
+        r = dict(r, command=command, commit=commit, versions=dict(versions))
+        new[_row_key(r)] = r
+    out, seen = [], set()
+    for r in doc["rows"]:
+        k = _row_key(r)
+        if k in new:
+            if k not in seen:
+                out.append(new[k])
+                seen.add(k)
+        else:
+            out.append(r)
+    out += [r for k, r in new.items() if k not in seen]
+    doc["rows"] = out
+    doc.setdefault("updates", []).append(dict(command=command, commit=commit, rows=len(rows),
+                                              versions=dict(versions)))
+    p.write_text(json.dumps(doc, separators=(",", ":")) + "\n")   # the stored file's format
+    return doc
+
+
+def best_blocks(rows, *, kernel="forward") -> dict:
+    """``{(chip, library): row}``: the lowest whole-kernel estimate among a sweep's rows
+    (and the default/equal rows) of one kernel."""
+    best = {}
+    for r in rows:
+        if r.get("kernel") != kernel or "error" in r or r.get("est_cycles") is None:
+            continue
+        k = (r["chip"], r["library"])
+        if k not in best or r["est_cycles"] < best[k]["est_cycles"]:
+            best[k] = r
+    return best
+
+
+def target_table(rows, *, kernel: str = "forward", target: float = 0.9) -> str:
+    """flashlab against the better of splash and jax_pallas_flash, per chip: at equal blocks
+    (the ``equal`` rows) and at each library's best blocks (lowest estimate among its
+    default, equal and sweep rows), with the issue's target ratio (``<= target``)."""
+    out = [f"{'chip':4} {'blocks':6} {'flashlab':>18} {'best other':>30} {'ratio':>6} "
+           f"{'target':>7}"]
+    ok = [r for r in rows if r.get("kernel") == kernel and "error" not in r
+          and r.get("est_cycles") is not None]
+    for chip in dict.fromkeys(r["chip"] for r in ok):
+        for mode in ("equal", "best"):
+            pick = {}
+            for lib in LIBRARIES:
+                rs = [r for r in ok if r["chip"] == chip and r["library"] == lib
+                      and (mode == "best" or r["blocks"] == "equal")]
+                if rs:
+                    pick[lib] = min(rs, key=lambda r: r["est_cycles"])
+            others = [pick[k] for k in ("splash", "jax_pallas_flash") if k in pick]
+            if "flashlab" not in pick or not others:
+                continue
+            f, o = pick["flashlab"], min(others, key=lambda r: r["est_cycles"])
+            ratio = f["est_cycles"] / o["est_cycles"]
+            desc = lambda r: (f"{r['est_ms']:.2f} ms {r['block_q']}x{r['block_k']}"  # noqa: E731
+                              if r.get("est_ms") is not None
+                              else f"{r['est_cycles']} cyc {r['block_q']}x{r['block_k']}")
+            out.append(f"{chip:4} {mode:6} {desc(f):>18} {o['library'] + ' ' + desc(o):>30} "
+                       f"{ratio:6.2f} {'met' if ratio <= target else 'MISSED':>7}")
+    return "\n".join(out)
+
+
+def header(versions: dict, args: dict) -> str:
+    """What the figures are and are not, with the versions, shape and commit."""
+    return "\n".join([
+        "Static schedule of the real TPU compiler (libtpu's packed bundles, 1 bundle = 1 cycle),",
+        f"jax {versions.get('jax')}, libtpu {versions.get('libtpu')}, flashlab commit "
+        f"{args.get('commit')}.",
+        f"Shape: B={args['batch']} T={args['seq_len']} H={args['heads']} d={args['head_dim']} "
+        f"{args['dtype']} {'causal' if args['causal'] else 'non-causal'}; blocks: each "
+        f"kernel's default, and {args['block']}x{args['block']} for all ('equal').",
+        "NOT wall time: no DMA waits, no HBM bandwidth, no stalls. Per TensorCore. The ms use a",
+        "clock derived from JAX's chip table (see chip_clock). They rank kernels and blocks;",
+        "calibrate on a real TPU when one is available.",
+        "est = steps x step + visible tiles x tile + rows x (init + finalize) + prologue; floor =",
+        "matmul FLOPs / bf16 peak; occ = static MXU occupancy of one tile.",
+    ] + (textwrap.wrap(f"Note: {args['note']}", 92) if args.get("note") else []))
+
+
+def table(rows) -> str:
+    """The plain-text table the CLI prints."""
+    head = (f"{'chip':4} {'kernel':6} {'blocks':7} {'library':17} {'bq x bk':>9} {'tile':>6} "
+            f"{'step':>5} {'occ':>5} {'est ms':>8} {'floor':>6} {'x floor':>7} {'x splash':>8}")
+    out = [head, "-" * len(head)]
+    for r in rows:
+        left = (f"{r['chip']:4} {ROLE_LABEL[r['kernel']]:6} {r['blocks']:7} "
+                f"{r['library']:17}")
+        if "error" in r:
+            out.append(f"{left} FAILED: {r['error']}")
+            continue
+        ms = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
+        rs = "-" if r["ratio_splash"] is None else f"{r['ratio_splash']:.2f}"
+        rf = "-" if r["ratio_floor"] is None else f"{r['ratio_floor']:.2f}"
+        out.append(f"{left} {str(r['block_q']) + 'x' + str(r['block_k']):>9} "
+                   f"{r['tile_cycles']:6d} {r['step_cycles']:5d} {r['occupancy']:5.0%} "
+                   f"{ms(r['est_ms']):>8} {ms(r['floor_ms']):>6} {rf:>7} {rs:>8}")
+    return "\n".join(out)
+
+
+def training_step_table(rows, *, blocks="equal") -> str:
+    """Forward + dQ + dK/dV whole-kernel estimates per chip and library (one training step's
+    attention), with the ratio to splash: what ``auto``'s order on a TPU should follow."""
+    out = [f"{'chip':4} {'library':17} {'fwd+bwd est ms':>14} {'x floor':>7} {'x splash':>8}"]
+    by = {}
+    for r in rows:
+        if r.get("blocks") == blocks and "error" not in r and r.get("est_ms") is not None:
+            t = by.setdefault((r["chip"], r["library"]), [0.0, 0.0, set()])
+            t[0] += r["est_ms"]
+            t[1] += r["floor_ms"]
+            t[2].add(r["kernel"])
+    for (chip, lib), (est, floor, ks) in by.items():
+        if ks != set(MATMULS):
+            continue
+        ref = by.get((chip, "splash"))
+        rs = f"{est / ref[0]:.2f}" if ref and ref[2] == set(MATMULS) else "-"
+        out.append(f"{chip:4} {lib:17} {est:14.2f} {est / floor:7.2f} {rs:>8}")
+    return "\n".join(out)

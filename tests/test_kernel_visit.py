@@ -1,0 +1,100 @@
+"""The forward kernel's visit grid (flashlab/kernels/visit.py): the list, the blocks it copies,
+and the kernel on it against the float64 oracle (tiny shapes, interpret mode)."""
+import numpy as np
+import pytest
+
+import jax.numpy as jnp
+
+from flashlab.contract import masks
+from flashlab.ladder import reference
+from flashlab.kernels import blocks as blk, forward as fw, visit
+from flashlab.kernels import forward_grid
+from flashlab.kernels import flash
+
+CASES = [  # (q_len, kv_len, block_q, block_k, is_causal, window)
+    (512, 512, 128, 128, True, None),
+    (500, 700, 128, 256, True, None),          # padding on both sides
+    (1024, 1024, 256, 128, False, (200, 0)),   # sliding window
+    (384, 256, 128, 128, False, (0, 0)),       # q rows past every key: EMPTY visits
+    (256, 640, 128, 128, True, (64, None)),
+]
+
+
+@pytest.mark.parametrize("q_len,kv_len,bq,bk,causal,window", CASES)
+def test_visits_are_the_visible_pairs_and_copy_the_dense_grids_blocks(q_len, kv_len, bq, bk,
+                                                                      causal, window):
+    nq, nk = -(-q_len // bq), -(-kv_len // bk)
+    kw = dict(q_len=q_len, kv_len=kv_len, block_q=bq, block_k=bk, is_causal=causal,
+              window=window)
+    v = visit.visit_table(num_q_blocks=nq, num_kv_blocks=nk, **kw)
+    i, j, flags = visit.unpack(v.astype(np.int64))
+    real = (flags & visit.EMPTY) == 0
+    # every row appears, once FIRST and once LAST, rows in order, j increasing in a row
+    assert sorted(set(i.tolist())) == list(range(nq))
+    assert np.all(np.diff(i) >= 0)
+    for r in range(nq):
+        rows = np.flatnonzero(i == r)
+        assert (flags[rows[0]] & visit.FIRST) and (flags[rows[-1]] & visit.LAST)
+        assert np.all(np.diff(j[rows]) == 1)
+    # the non-empty visits are exactly the pairs the dense grid computes
+    dense = {(a, b) for a in range(nq) for b in range(nk)
+             if masks.block_maybe_visible(a * bq, a * bq + bq, b * bk, b * bk + bk,
+                                          is_causal=causal, window=window)
+             and b * bk < kv_len and a * bq < q_len}
+    assert {(a, b) for a, b, ok in zip(i.tolist(), j.tolist(), real) if ok} == dense
+    assert int(real.sum()) == blk.num_visible_blocks(nq, nk, **kw)
+    # the kv blocks a pipeline copies: the same sequence as the dense grid's clamped maps
+    seq_dense = []
+    for a in range(nq):
+        lo, hi = blk.kv_block_range(a, q_len, kv_len, block_q=bq, block_k=bk, num_kv_blocks=nk,
+                                    is_causal=causal, window=window)
+        seq_dense += [(a, blk.clamp_kv_block(b, lo, hi, nk)) for b in range(nk)]
+    seq_visit = list(zip(i.tolist(), j.tolist()))
+    assert visit.copied_blocks([b for _, b in seq_visit]) == \
+        visit.copied_blocks([b for _, b in seq_dense])
+
+
+def _spec(q_len, kv_len, causal, window, **kw):
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((1, q_len, 2, 128)).astype(np.float32)
+    kk = rng.standard_normal((1, kv_len, 1, 128)).astype(np.float32)
+    v = rng.standard_normal((1, kv_len, 1, 128)).astype(np.float32)
+    return q, kk, v, dict(is_causal=causal, local_window_size=window, **kw)
+
+
+def test_auto_visit_grid_only_where_it_skips_steps():
+    def cfg(causal, window=None, **kw):
+        q, k, v, a = _spec(256, 256, causal, window)
+        spec = masks.validate(q, k, v, None, None, **a)[3]
+        return forward_grid.make_config(spec, block_q=128, block_k=128, **kw)
+    assert cfg(True).visit_grid and not cfg(False).visit_grid
+    assert not cfg(True, visit_grid=False).visit_grid
+    gs = forward_grid.forward_grid_spec(cfg(True))
+    assert gs.grid == (1, 2, 3) and gs.num_scalar_prefetch == 3
+    with pytest.raises(TypeError, match="visit_grid"):
+        cfg(True, visit_grid="yes")
+
+
+def test_visit_grid_refused_with_offsets():
+    import dataclasses
+    q, k, v, a = _spec(256, 256, True, None)
+    spec = masks.validate(q, k, v, None, None, **a)[3]
+    spec = dataclasses.replace(spec, q_offset=jnp.int32(128), kv_offset=jnp.int32(0))
+    assert not forward_grid.make_config(spec, block_q=128, block_k=128).visit_grid
+    with pytest.raises(ValueError, match="offsets"):
+        forward_grid.make_config(spec, block_q=128, block_k=128, visit_grid=True)
+
+
+@pytest.mark.parametrize("causal,window,lengths", [(True, None, (200, 250)),
+                                                    (False, (96, 0), None)])
+def test_visit_grid_kernel_matches_oracle(causal, window, lengths):
+    """GQA, padding, run-time lengths and windows on the visit grid (f32 tol 2e-5)."""
+    q, k, v, a = _spec(250, 250, causal, window)
+    if lengths is not None:
+        a.update(query_seq_lengths=jnp.array([lengths[0]]),
+                 key_value_seq_lengths=jnp.array([lengths[1]]))
+    out = flash.flash_attention(q, k, v, block_q=128, block_k=128, interpret=True, **a)
+    ref = reference.oracle_attention(q, k, v, **a)
+    rows = slice(None) if lengths is None else slice(0, lengths[0])
+    np.testing.assert_allclose(np.asarray(out)[:, rows], np.asarray(ref)[:, rows],
+                               atol=2e-5, rtol=2e-5)

@@ -1,0 +1,64 @@
+"""``auto`` on a TPU orders the TPU kernels by the committed static table and says so."""
+import json
+
+import jax.numpy as jnp
+
+from flashlab.benchmarks import tpu_static as bench_tpu_static
+from flashlab.benchmarks import tpu_static_report
+from flashlab.dispatch import registry
+from flashlab.contract.masks import validate
+
+
+def _spec():
+    return validate(*(jnp.zeros((1, 256, 2, 128), jnp.bfloat16),) * 3, is_causal=True)[3]
+
+
+def _rows(chip, ms):
+    return [dict(chip=chip, library=lib, kernel=k, blocks="default", est_ms=v / 3)
+            for lib, v in ms.items() for k in ("forward", "dq", "dkdv")]
+
+
+def test_auto_on_tpu_follows_the_static_table(tmp_path, monkeypatch):
+    p = tmp_path / "tpu_static.json"
+    p.write_text(json.dumps(dict(versions={}, args={}, rows=_rows(
+        "v5e", {"flashlab": 9.0, "splash": 6.0, "jax_pallas_flash": 12.0}))))
+    monkeypatch.setattr(bench_tpu_static, "STORED", p)
+    c = registry.choose(_spec(), platform="tpu")
+    assert c.backend == "splash"
+    assert "splash 6.00 ms" in c.reason and "pallas_tpu 9.00 ms" in c.reason
+    assert "forward+dq+dkdv" in c.reason
+
+
+def test_auto_on_tpu_without_figures_says_so(tmp_path, monkeypatch):
+    p = tmp_path / "tpu_static.json"
+    p.write_text(json.dumps(dict(versions={}, args={}, rows=_rows("v6e", {"splash": 1.0}))))
+    monkeypatch.setattr(bench_tpu_static, "STORED", p)
+    c = registry.choose(_spec(), platform="tpu")     # target chip: v5e (no TPU here)
+    assert c.backend == "pallas_tpu" and "no static figure for v5e" in c.reason
+
+
+def test_committed_table_quoted():
+    c = registry.choose(_spec(), platform="tpu")
+    assert "static table on" in c.reason and "ms" in c.reason
+
+
+def test_forward_optimisation_rows_are_measured_and_tabulated():
+    from flashlab.viz import tpu_schedule as viz
+    rows = viz.optimisation_rows()
+    assert rows[0]["step"] == "baseline" and all(r["command"].startswith("python -m flashlab")
+                                                 and r["commit"] for r in rows)
+    assert rows[1]["tile_cycles"] < rows[0]["tile_cycles"]
+    assert rows[2]["est_cycles"] < rows[1]["est_cycles"]
+    text = viz.optimisation_table(rows)
+    assert str(rows[0]["tile_cycles"]) in text and "VALU" in text
+
+
+def test_target_table_compares_with_the_better_official_kernel():
+    rows = [dict(chip="v5e", library=lib, kernel="forward", blocks=b, block_q=q, block_k=q,
+                 est_cycles=c, est_ms=c / 1e3)
+            for lib, b, q, c in [("flashlab", "equal", 512, 90), ("splash", "equal", 512, 120),
+                                 ("jax_pallas_flash", "equal", 512, 100),
+                                 ("flashlab", "sweep", 1024, 80), ("splash", "sweep", 1024, 85)]]
+    text = tpu_static_report.target_table(rows).splitlines()
+    assert "jax_pallas_flash" in text[1] and "0.90" in text[1] and "met" in text[1]
+    assert "splash" in text[2] and "0.94" in text[2] and "MISSED" in text[2]
