@@ -3,9 +3,8 @@ import json
 
 import jax.numpy as jnp
 
-from flashlab.benchmarks import tpu_static as bench_tpu_static
 from flashlab.benchmarks import tpu_static_report
-from flashlab.dispatch import registry
+from flashlab.dispatch import registry, static_table
 from flashlab.contract.masks import validate
 
 
@@ -22,7 +21,7 @@ def test_auto_on_tpu_follows_the_static_table(tmp_path, monkeypatch):
     p = tmp_path / "tpu_static.json"
     p.write_text(json.dumps(dict(versions={}, args={}, rows=_rows(
         "v5e", {"flashlab": 9.0, "splash": 6.0, "jax_pallas_flash": 12.0}))))
-    monkeypatch.setattr(bench_tpu_static, "STORED", p)
+    monkeypatch.setattr(static_table, "STORED", p)
     c = registry.choose(_spec(), platform="tpu")
     assert c.backend == "splash"
     assert "splash 6.00 ms" in c.reason and "pallas_tpu 9.00 ms" in c.reason
@@ -32,7 +31,7 @@ def test_auto_on_tpu_follows_the_static_table(tmp_path, monkeypatch):
 def test_auto_on_tpu_without_figures_says_so(tmp_path, monkeypatch):
     p = tmp_path / "tpu_static.json"
     p.write_text(json.dumps(dict(versions={}, args={}, rows=_rows("v6e", {"splash": 1.0}))))
-    monkeypatch.setattr(bench_tpu_static, "STORED", p)
+    monkeypatch.setattr(static_table, "STORED", p)
     c = registry.choose(_spec(), platform="tpu")     # target chip: v5e (no TPU here)
     assert c.backend == "pallas_tpu" and "no static figure for v5e" in c.reason
 
