@@ -120,3 +120,16 @@ def test_figures_and_widget_build():
     w = ring_widget(4)
     w.children[0].children[0].value = 2                     # move the slider: redraws
     plt.close("all")
+
+
+@pytest.mark.parametrize("P", [1, 2, 3, 8])
+def test_zigzag_sends_deal_each_device_its_two_chunks(P):
+    # sharded in natural order device i holds chunks 2i, 2i+1; the two ppermutes (even chunks,
+    # odd chunks) must each be a permutation and leave device j with chunks j and 2P-1-j
+    even, odd = ring_layout.zigzag_sends(P)
+    got = {j: set() for j in range(P)}
+    for pairs, parity in ((even, 0), (odd, 1)):
+        assert sorted(s for s, _ in pairs) == sorted(d for _, d in pairs) == list(range(P))
+        for src, dst in pairs:
+            got[dst].add(2 * src + parity)
+    assert got == {j: set(ring_layout.device_chunks(P, "zigzag")[j].tolist()) for j in range(P)}

@@ -231,21 +231,22 @@ def measure(*, chips=("v5e", "v6e"), page_sizes=(16, 64), batch=8, kv_heads=4, g
         nbytes = decode_lower_bound_bytes(lengths=[tokens] * batch, q_heads=kv_heads * group,
                                           kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
         r["hbm_floor_us"] = nbytes / roofline.chip(r["chip"]).hbm_bytes_per_s * 1e6
-    for r in rows:
-        ref = [x for x in rows if x["library"] == "official" and "error" not in x
-               and (x["chip"], x["page_size"]) == (r["chip"], r["page_size"])]
-        r["ratio_official"] = (r["est_cycles"] / ref[0]["est_cycles"]
-                               if ref and "error" not in r else None)
+    official = {(x["chip"], x["page_size"]): x["est_cycles"] for x in rows
+                if x["library"] == "official" and "error" not in x}
+    for r in rows:                                 # same chip and page size
+        ref = official.get((r["chip"], r["page_size"]))
+        r["ratio_official"] = r["est_cycles"] / ref if ref and "error" not in r else None
     return rows, versions
 
 
 def stored(path=None) -> dict:
     """The committed run (:data:`STORED`): ``{"versions", "args", "rows"}``."""
     p = Path(path or STORED)
-    if not p.exists():
-        raise FileNotFoundError(f"{p}: no stored decode-static run; make one with "
-                                f"python -m flashlab bench decode-static --json {p}")
-    return json.loads(p.read_text())
+    try:
+        return json.loads(p.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{p}: no stored decode-static run; make one with python -m "
+                                f"flashlab bench decode-static --json {p}") from None
 
 
 def header(versions: dict, args: dict) -> str:
