@@ -12,6 +12,7 @@ from flashlab.contract.decode_validate import validate_decode
 from flashlab.ladder.decode import oracle_decode_attention
 from flashlab.compat import pallas as compat
 from flashlab.kernels import decode as kdecode
+from flashlab.kernels import decode_grid
 
 from decode_cases import CASES, decode_case
 
@@ -49,10 +50,10 @@ def test_pages_per_block_clamps_match_oracle():
 
 
 def test_choose_num_splits():
-    assert kdecode.choose_num_splits(batch=1, capacity=8192) == 4
-    assert kdecode.choose_num_splits(batch=1, capacity=2048) == 2
-    assert kdecode.choose_num_splits(batch=8, capacity=8192) == 1
-    assert kdecode.choose_num_splits(batch=1, capacity=512) == 1
+    assert decode_grid.choose_num_splits(batch=1, capacity=8192) == 4
+    assert decode_grid.choose_num_splits(batch=1, capacity=2048) == 2
+    assert decode_grid.choose_num_splits(batch=8, capacity=8192) == 1
+    assert decode_grid.choose_num_splits(batch=1, capacity=512) == 1
 
 
 def _tpu_interpret():

@@ -52,6 +52,7 @@ def build(*, chip: str, library: str, batch: int, kv_heads: int, group: int, pag
     group``, one new token per sequence. ``info["num_splits"]``: flashlab's split-K count."""
     from flashlab.instruments import decode_cases
     from flashlab.kernels import decode
+    from flashlab.kernels import decode_grid
     kw = dict(batch=batch, q_heads=kv_heads * group, kv_heads=kv_heads, head_dim=head_dim,
               page_size=page_size, pages_per_sequence=pages_per_sequence, dtype=dtype)
     if library == "official":
@@ -66,7 +67,7 @@ def build(*, chip: str, library: str, batch: int, kv_heads: int, group: int, pag
 
     def probe(q, kp, vp, lengths, table):     # the kernel's config, as the step resolves it
         spec = validate_decode(q, kp, vp, cache_lengths=lengths, page_table=table)[3]
-        cfg = decode.make_decode_config(spec, page_size, pages_per_sequence, kp.shape[0])
+        cfg = decode_grid.make_decode_config(spec, page_size, pages_per_sequence, kp.shape[0])
         got.update(num_splits=cfg.num_splits, pages_per_block=cfg.pages_per_block)
         return q
     with device.compile_target(chip):

@@ -2,7 +2,7 @@
 
 Decode reads the whole visible cache to produce one token per sequence: the lower bound of
 its traffic is the visible K and V once, plus the queries and the outputs.
-:func:`decode_step_bytes` replays :func:`flashlab.kernels.decode.decode_grid_spec` (the objects
+:func:`decode_step_bytes` replays :func:`flashlab.kernels.decode_grid.decode_grid_spec` (the objects
 its ``pallas_call`` gets, with the page table and lengths its index maps read) through
 :func:`flashlab.instruments.traffic.replay` and adds the split-K epilogue (reading the partial
 states back and writing the output). :func:`prefill_kernel_decode_bytes` replays today's prefill
@@ -49,16 +49,17 @@ def decode_kernel_grid(*, lengths, q_heads: int, kv_heads: int, head_dim: int = 
     default when ``None``); each of them is its own K and V operand (``k``, ``k1``, ...).
     """
     from flashlab.kernels import decode as kdecode
+    from flashlab.kernels import decode_grid
     lengths = np.asarray(lengths, np.int32)
     B = len(lengths)
     P = max(1, -(-int(lengths.max()) // page_size))
     table = np.random.default_rng(seed).permutation(B * P).reshape(B, P).astype(np.int32)
     spec = _spec(B, q_heads, kv_heads, head_dim, page_size, P, B * P, lengths, new_tokens,
                  dtype, window)
-    cfg = kdecode.make_decode_config(spec, page_size, P, B * P, num_splits=num_splits,
+    cfg = decode_grid.make_decode_config(spec, page_size, P, B * P, num_splits=num_splits,
                                      pages_per_block=pages_per_block)
-    gs = kdecode.decode_grid_spec(cfg)
-    flat = kdecode.page_schedule(cfg, lengths, table)
+    gs = decode_grid.decode_grid_spec(cfg)
+    flat = decode_grid.page_schedule(cfg, lengths, table)
     scratch = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in gs.scratch_shapes)
     return traffic.from_block_specs(gs.grid, gs.in_specs, gs.out_specs, gs.in_shapes,
                                     gs.out_shapes, in_names=gs.in_names,
