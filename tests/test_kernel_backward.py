@@ -195,7 +195,7 @@ def test_backward_entry_point_and_bias_cotangent_shape():
 def test_q_block_range_is_exactly_the_visible_blocks(q_len, kv_len, bq, bk, causal, window):
     nq, nk = -(-q_len // bq), max(1, -(-kv_len // bk))
     for j in range(nk):
-        lo, hi = blk.q_block_range(j, q_len, kv_len, block_q=bq, block_k=bk, num_q_blocks=nq,
+        lo, hi = blk.q_block_range(j, q_len, kv_len, block_q=bq, block_k=bk,
                                    is_causal=causal, window=window)
         want = [i for i in range(nq)
                 if block_maybe_visible(i * bq, i * bq + bq, j * bk, j * bk + bk,

@@ -65,13 +65,13 @@ def test_kv_block_range_is_block_maybe_visible(is_causal, window):
     for bq, bk, q_len, kv_len in itertools.product([8, 32], [128, 256], [1, 40, 300], [0, 1, 200, 700]):
         nq, nk = blk.round_up(q_len, bq) // bq, max(1, blk.round_up(kv_len, bk) // bk)
         for i, j in itertools.product(range(nq), range(nk)):
-            lo, hi = blk.kv_block_range(i, q_len, kv_len, block_q=bq, block_k=bk, num_kv_blocks=nk,
+            lo, hi = blk.kv_block_range(i, q_len, kv_len, block_q=bq, block_k=bk,
                                         is_causal=is_causal, window=window)
             q0, k0 = i * bq, j * bk
             run = bool(masks.block_maybe_visible(q0, q0 + bq, k0, k0 + bk, is_causal=is_causal,
                                                  window=window)) and k0 < kv_len and q0 < q_len
             assert (lo <= j <= hi) == run, (bq, bk, q_len, kv_len, i, j, lo, hi)
-            assert 0 <= blk.clamp_kv_block(j, lo, hi, nk) < nk
+            assert 0 <= blk.clamp_block(j, lo, hi, nk) < nk
 
 
 def _replay(gs, name, q_lengths, kv_lengths):
@@ -99,7 +99,7 @@ def test_skipped_steps_fetch_nothing(kw):
     for n, step in enumerate(steps):
         b, h, i, j = step
         lo, hi = blk.kv_block_range(i, ql[b], kl[b], block_q=128, block_k=128,
-                                    num_kv_blocks=cfg.num_kv_blocks, is_causal=cfg.is_causal,
+                                    is_causal=cfg.is_causal,
                                     window=cfg.window)
         if lo <= j <= hi:
             computed += 1

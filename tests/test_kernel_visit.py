@@ -46,9 +46,9 @@ def test_visits_are_the_visible_pairs_and_copy_the_dense_grids_blocks(q_len, kv_
     # the kv blocks a pipeline copies: the same sequence as the dense grid's clamped maps
     seq_dense = []
     for a in range(nq):
-        lo, hi = blk.kv_block_range(a, q_len, kv_len, block_q=bq, block_k=bk, num_kv_blocks=nk,
+        lo, hi = blk.kv_block_range(a, q_len, kv_len, block_q=bq, block_k=bk,
                                     is_causal=causal, window=window)
-        seq_dense += [(a, blk.clamp_kv_block(b, lo, hi, nk)) for b in range(nk)]
+        seq_dense += [(a, blk.clamp_block(b, lo, hi, nk)) for b in range(nk)]
     seq_visit = list(zip(i.tolist(), j.tolist()))
     assert visit.copied_blocks([b for _, b in seq_visit]) == \
         visit.copied_blocks([b for _, b in seq_dense])

@@ -91,9 +91,9 @@ def test_block_ranges_with_shift_equal_block_maybe_visible(is_causal, window):
 
         # Row r of each table against block_maybe_visible at the global positions.
         for rows, cols, fn, pair in (
-                (nq, nk, lambda r: blk.kv_block_range(r, nq * bq, nk * bk, num_kv_blocks=nk,
+                (nq, nk, lambda r: blk.kv_block_range(r, nq * bq, nk * bk,
                                                       shift=shift, **geo), lambda r, c: (r, c)),
-                (nk, nq, lambda r: blk.q_block_range(r, nq * bq, nk * bk, num_q_blocks=nq,
+                (nk, nq, lambda r: blk.q_block_range(r, nq * bq, nk * bk,
                                                      shift=shift, **geo), lambda r, c: (c, r))):
             for r in range(rows):
                 lo, hi = fn(r)

@@ -110,7 +110,7 @@ def _q_side_operands(cfg, q_map, kv_map, scores_map_for, qseg_map, kvseg_map):
 
 def _q_range(cfg, b, j, q_lengths, kv_lengths, offsets=None):
     return blk.q_block_range(j, q_lengths[b], kv_lengths[b], block_q=cfg.block_q,
-                             block_k=cfg.block_k, num_q_blocks=cfg.num_q_blocks,
+                             block_k=cfg.block_k,
                              is_causal=cfg.is_causal, window=cfg.window,
                              shift=forward_grid.offset_shift(offsets))
 
@@ -123,7 +123,7 @@ def dkdv_grid_spec(cfg: ForwardConfig) -> BackwardGridSpec:
 
     def q_block(b, j, i, q_lengths, kv_lengths, offsets=None):
         lo, hi = _q_range(cfg, b, j, q_lengths, kv_lengths, offsets)
-        return blk.clamp_kv_block(i, lo, hi, cfg.num_q_blocks)   # same clamp, on the q axis
+        return blk.clamp_block(i, lo, hi, cfg.num_q_blocks)   # same clamp, on the q axis
 
     def q_map(b, hk, j, g, i, q_lengths, kv_lengths, offsets=None):  # Q_i, dO_i, lse_i, D_i
         return (b, hk * G + g, q_block(b, j, i, q_lengths, kv_lengths, offsets), 0)

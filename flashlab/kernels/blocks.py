@@ -30,8 +30,9 @@ from flashlab.kernels.tiling import LANES, SUBLANES, lane_pad, round_up, sublane
 
 __all__ = ["LANES", "SUBLANES", "VMEM_BYTES", "sublane_tile", "round_up", "lane_pad",
            "vmem_capacity_bytes", "vmem_budget_bytes", "vmem_bytes", "choose_block_sizes",
-           "check_block_sizes", "kv_block_range",
-           "resolve_chip", "vmem_limit_bytes"]
+           "check_block_sizes", "kv_block_range", "resolve_chip", "vmem_limit_bytes",
+           "clamp_block", "num_visible_blocks", "div_nonneg", "q_block_range",
+           "backward_vmem_bytes", "choose_backward_block_sizes"]
 
 #: VMEM per TensorCore, bytes (JAX 0.10.2 ``tpu_info._get_tpu_info_impl``).
 VMEM_BYTES = {
@@ -230,8 +231,8 @@ def div_nonneg(a, b):
     return jax.lax.div(jnp.asarray(a, jnp.int32), jnp.int32(b))
 
 
-def kv_block_range(i, q_len, kv_len, *, block_q, block_k, num_kv_blocks, is_causal=False,
-                   window=None, shift=0):
+def kv_block_range(i, q_len, kv_len, *, block_q, block_k, is_causal=False, window=None,
+                   shift=0):
     """The kv blocks ``lo .. hi`` (inclusive) that q block ``i`` may need to see.
 
     Keys outside ``[lo*B_c, (hi+1)*B_c)`` are invisible to every query of the block: by the
@@ -256,8 +257,7 @@ def kv_block_range(i, q_len, kv_len, *, block_q, block_k, num_kv_blocks, is_caus
             last = _min(last, q_last + shift + right)
         if left is not None:
             first = _max(0, q_start + shift - left)
-    # A q block entirely past q_len sees nothing.
-    del num_kv_blocks                                  # lo may exceed it: then hi < lo
+    # A q block entirely past q_len sees nothing; lo may exceed the last block: then hi < lo.
     return _block_span(first, last, _less(q_start, q_len), block_k)
 
 
@@ -278,15 +278,16 @@ def _block_span(first, last, alive, block):
     return lo, hi
 
 
-def clamp_kv_block(j, lo, hi, num_kv_blocks):
-    """The kv block a grid step fetches: ``j`` inside ``[lo, hi]``, else the nearest end.
+def clamp_block(j, lo, hi, num_blocks):
+    """The block a grid step fetches along one axis (kv in the forward and dQ kernels, q in the
+    dK/dV kernel): ``j`` inside ``[lo, hi]``, else the nearest end.
 
     A skipped step maps to a block that the previous step already fetched, so the pipeline
     issues no DMA for it (Pallas copies a block only when its index changes). The result is
     always a valid block index, also when nothing is visible (``hi < lo``).
     """
-    lo_c = _min(lo, num_kv_blocks - 1)
-    hi_c = _max(_min(hi, num_kv_blocks - 1), lo_c)
+    lo_c = _min(lo, num_blocks - 1)
+    hi_c = _max(_min(hi, num_blocks - 1), lo_c)
     return _min(_max(j, lo_c), hi_c)
 
 
@@ -296,18 +297,17 @@ def num_visible_blocks(num_q_blocks, num_kv_blocks, *, q_len, kv_len, block_q, b
     total = 0
     for i in range(num_q_blocks):
         lo, hi = kv_block_range(i, q_len, kv_len, block_q=block_q, block_k=block_k,
-                                num_kv_blocks=num_kv_blocks, is_causal=is_causal, window=window)
+                                is_causal=is_causal, window=window)
         total += max(0, hi - lo + 1)
     return total
 
 
-__all__ += ["clamp_kv_block", "num_visible_blocks", "div_nonneg"]
 
 
 # ----------------------------------------------------------------------------- the backward
 
-def q_block_range(j, q_len, kv_len, *, block_q, block_k, num_q_blocks, is_causal=False,
-                  window=None, shift=0):
+def q_block_range(j, q_len, kv_len, *, block_q, block_k, is_causal=False, window=None,
+                  shift=0):
     """The q blocks ``lo .. hi`` (inclusive) that may see kv block ``j`` (the dK/dV kernel's
     range).
 
@@ -330,8 +330,7 @@ def q_block_range(j, q_len, kv_len, *, block_q, block_k, num_q_blocks, is_causal
             last = _min(last, k_last + left)
         if right is not None:
             first = _max(first, k_start - right)
-    # A kv block that starts past kv_len is seen by nobody.
-    del num_q_blocks                                   # lo may exceed it: then hi < lo
+    # A kv block that starts past kv_len is seen by nobody; lo may exceed the last block.
     return _block_span(first, last, _less(j * block_k, kv_len), block_q)
 
 
@@ -388,4 +387,3 @@ def choose_backward_block_sizes(q_len: int, kv_len: int, head_dim: int, dtype,
                           bq, bk, rule)
 
 
-__all__ += ["q_block_range", "backward_vmem_bytes", "choose_backward_block_sizes"]

@@ -222,7 +222,7 @@ class ForwardGridSpec:
 
 def _kv_range(cfg: ForwardConfig, b, i, q_lengths, kv_lengths, offsets=None):
     return blk.kv_block_range(i, q_lengths[b], kv_lengths[b], block_q=cfg.block_q,
-                              block_k=cfg.block_k, num_kv_blocks=cfg.num_kv_blocks,
+                              block_k=cfg.block_k,
                               is_causal=cfg.is_causal, window=cfg.window,
                               shift=offset_shift(offsets))
 
@@ -283,7 +283,7 @@ def index_maps(cfg: ForwardConfig) -> IndexMaps:
     # the spec has offsets; the clamp then follows the global causal/window range.
     def kv_block(b, i, j, q_lengths, kv_lengths, offsets=None):
         lo, hi = _kv_range(cfg, b, i, q_lengths, kv_lengths, offsets)
-        return blk.clamp_kv_block(j, lo, hi, cfg.num_kv_blocks)
+        return blk.clamp_block(j, lo, hi, cfg.num_kv_blocks)
 
     def q_index_map(b, h, i, j, q_lengths, kv_lengths, offsets=None):
         return (b, h, i, 0)
@@ -321,7 +321,7 @@ def visit_index_maps(cfg: ForwardConfig) -> IndexMaps:
         i, j, _ = visit.unpack(visits[t])
         if clamp:
             lo, hi = _kv_range(cfg, b, i, q_lengths, kv_lengths)
-            j = blk.clamp_kv_block(j, lo, hi, cfg.num_kv_blocks)
+            j = blk.clamp_block(j, lo, hi, cfg.num_kv_blocks)
         return i, j
 
     def q_map(b, h, t, q_lengths, kv_lengths, visits):

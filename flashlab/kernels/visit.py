@@ -45,10 +45,10 @@ def visit_table(*, num_q_blocks: int, num_kv_blocks: int, q_len: int, kv_len: in
     out = []
     for i in range(num_q_blocks):
         lo, hi = blk.kv_block_range(i, q_len, kv_len, block_q=block_q, block_k=block_k,
-                                    num_kv_blocks=num_kv_blocks, is_causal=is_causal,
+                                    is_causal=is_causal,
                                     window=window)
         if hi < lo:          # nothing visible: one step that only writes O_i = 0, lse = -inf
-            j = blk.clamp_kv_block(0, lo, hi, num_kv_blocks)
+            j = blk.clamp_block(0, lo, hi, num_kv_blocks)
             out.append(i << _I_SHIFT | j << 3 | FIRST | LAST | EMPTY)
             continue
         for j in range(lo, hi + 1):

@@ -72,11 +72,11 @@ def backward_tile_map_figure(q_len: int = 512, kv_len: int = 512, *, block_q: in
     cols = np.zeros((nq, nk))
     for i in range(nq):
         lo, hi = blk.kv_block_range(i, q_len, kv_len, block_q=block_q, block_k=block_k,
-                                    num_kv_blocks=nk, is_causal=is_causal, window=window)
+                                    is_causal=is_causal, window=window)
         rows[i, max(lo, 0):hi + 1] = 1
     for j in range(nk):
         lo, hi = blk.q_block_range(j, q_len, kv_len, block_q=block_q, block_k=block_k,
-                                   num_q_blocks=nq, is_causal=is_causal, window=window)
+                                   is_causal=is_causal, window=window)
         cols[max(lo, 0):hi + 1, j] = 1
     fig, axes = plt.subplots(1, 2, figsize=(7, 3.5), dpi=90)
     for ax, m, title, xl in ((axes[0], rows, "dQ kernel: row i over kv blocks", "kv block j"),

@@ -78,7 +78,7 @@ def forward_skip_table(grid_spec, q_lengths, kv_lengths, *, b=0, h=0):
     kmap = grid_spec.spec("k").index_map
     for i in range(nq):
         lo, hi = blk.kv_block_range(i, q_lengths[b], kv_lengths[b], block_q=cfg.block_q,
-                                    block_k=cfg.block_k, num_kv_blocks=nk,
+                                    block_k=cfg.block_k,
                                     is_causal=cfg.is_causal, window=cfg.window)
         for j in range(nk):
             computed[i, j] = lo <= j <= hi
