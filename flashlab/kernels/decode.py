@@ -36,18 +36,24 @@ from flashlab.compat import pallas as compat
 from flashlab.ladder.decode import fold_heads, paged_view, sink_state, unfold_heads
 from flashlab.kernels import blocks as blk
 from flashlab.compat.pallas import pl
+from flashlab.kernels.refs import RefNames, name_refs
 from flashlab.kernels.decode_grid import (
     DecodeConfig, _div, decode_grid_spec, make_decode_config, page_schedule, visible_pages)
 
 __all__ = ["pallas_decode", "decode_call"]
 
 
-def _decode_kernel(lengths_ref, pages_ref, q_ref, *refs, cfg: DecodeConfig):
+def _decode_kernel(*refs, cfg: DecodeConfig, names: RefNames):
     """Step ``(b, s, i)``: fold logical pages ``j0 .. j0 + n - 1`` into every kv head's
-    (m, l, acc). ``refs``: n K pages, n V pages, the (m, l, acc) outputs, their scratch."""
+    (m, l, acc). ``refs`` are named by the grid spec: ``lengths``, ``pages`` (prefetch), ``q``,
+    n K pages ``k, k1, ...``, n V pages ``v, v1, ...``, the (m, l, acc) outputs, scratch."""
+    r = name_refs(refs, names)
     n = cfg.pages_per_block
-    k_refs, v_refs = refs[:n], refs[n:2 * n]
-    m_out, l_out, acc_out, m_ref, l_ref, acc_ref = refs[2 * n:]
+    k_refs = [r[f"k{t or ''}"] for t in range(n)]
+    v_refs = [r[f"v{t or ''}"] for t in range(n)]
+    lengths_ref, q_ref = r["lengths"], r["q"]
+    m_out, l_out, acc_out = r["m"], r["l"], r["acc"]
+    m_ref, l_ref, acc_ref = r["m_scratch"], r["l_scratch"], r["acc_scratch"]
     b, s, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     R, ps = cfg.rows, cfg.page_size
     length = lengths_ref[b]
@@ -120,7 +126,7 @@ def decode_call(cfg: DecodeConfig, interpret=False):
     """
     gs = decode_grid_spec(cfg)
     return pl.pallas_call(
-        functools.partial(_decode_kernel, cfg=cfg),
+        functools.partial(_decode_kernel, cfg=cfg, names=gs.ref_names()),
         grid_spec=gs.pallas_grid_spec(),
         out_shape=list(gs.out_shapes),
         compiler_params=compat.CompilerParams(dimension_semantics=gs.dimension_semantics,

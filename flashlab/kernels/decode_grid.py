@@ -269,4 +269,6 @@ def decode_grid_spec(cfg: DecodeConfig) -> DecodeGridSpec:
     scratch = (compat.VMEM((K, R, blk.LANES), f32), compat.VMEM((K, R, blk.LANES), f32),
                compat.VMEM((K, R, Dv), f32))
     return DecodeGridSpec(cfg, cfg.grid, in_names, in_specs, in_shapes,
-                          ("m", "l", "acc"), out_specs, out_shapes, scratch)
+                          ("m", "l", "acc"), out_specs, out_shapes, scratch,
+                          prefetch_names=("lengths", "pages"),
+                          scratch_names=("m_scratch", "l_scratch", "acc_scratch"))

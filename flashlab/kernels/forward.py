@@ -37,6 +37,7 @@ from flashlab.compat.shard_map import shape_dtype, vma_of
 from flashlab.compat import pallas as compat
 from flashlab.kernels import blocks as blk
 from flashlab.kernels import visit
+from flashlab.kernels.refs import RefNames, name_refs
 from flashlab.compat.pallas import pl
 from flashlab.kernels.forward_grid import (
     ForwardConfig, ForwardGridSpec, forward_grid_spec, global_starts, make_config, sinks_operand)
@@ -80,20 +81,19 @@ def score_tile(ins, cfg: ForwardConfig, q_start, k_start, q_len, kv_len):
     return s, t, visible
 
 
-def _forward_kernel(q_lengths_ref, kv_lengths_ref, *refs, cfg: ForwardConfig, names):
+def _forward_kernel(*refs, cfg: ForwardConfig, names: RefNames):
     """One grid step ``(b, h, i, j)`` (or ``(b, h, t)`` of the visit grid): fold S_ij into
-    (m, l, acc); init at the row's first step, finalize at its last."""
-    offsets_ref, refs = (refs[0], refs[1:]) if cfg.has_offsets else (None, refs)
-    visits_ref, refs = (refs[0], refs[1:]) if cfg.visit_grid else (None, refs)
-    n_in = len(names)
-    ins = dict(zip(names, refs[:n_in]))
-    outs = refs[n_in:n_in + 1 + cfg.return_lse]
-    m_ref, l_ref, acc_ref = refs[n_in + 1 + cfg.return_lse:]
+    (m, l, acc); init at the row's first step, finalize at its last. ``refs`` are named by
+    the grid spec (:meth:`ForwardGridSpec.ref_names`): q/kv lengths, [offsets], [visits], the
+    inputs, ``o`` [and ``lse``], scratch ``m``, ``l``, ``acc``."""
+    ins = name_refs(refs, names)
+    offsets_ref = ins.get("offsets")
+    m_ref, l_ref, acc_ref = ins["m"], ins["l"], ins["acc"]
     b = pl.program_id(0)
     bq, bk = cfg.block_q, cfg.block_k
-    q_len, kv_len = q_lengths_ref[b], kv_lengths_ref[b]          # int32 scalars from SMEM
+    q_len, kv_len = ins["q_lengths"][b], ins["kv_lengths"][b]    # int32 scalars from SMEM
     if cfg.visit_grid:
-        i, j, flags = visit.unpack(visits_ref[pl.program_id(2)])
+        i, j, flags = visit.unpack(ins["visits"][pl.program_id(2)])
         first, last = (flags & visit.FIRST) != 0, (flags & visit.LAST) != 0
     else:
         i, j = pl.program_id(2), pl.program_id(3)
@@ -138,9 +138,9 @@ def _forward_kernel(q_lengths_ref, kv_lengths_ref, *refs, cfg: ForwardConfig, na
             state = online_softmax.merge(
                 state, online_softmax.sink_state(sink, acc_ref.shape[-1], lanes=True), lanes=True)
         o, lse = online_softmax.finalize(state, lanes=True)      # lse [B_r, 128] replicated
-        outs[0][...] = o.astype(outs[0].dtype)
+        ins["o"][...] = o.astype(ins["o"].dtype)
         if cfg.return_lse:
-            outs[1][...] = lse
+            ins["lse"][...] = lse
 
 
 def _cost_estimate(cfg: ForwardConfig, gs: ForwardGridSpec) -> Any:
@@ -187,7 +187,7 @@ def varying_out_shapes(gs, *operands) -> list:
 def _pallas_forward(cfg: ForwardConfig, interpret, q_lengths, kv_lengths, *operands):
     """``operands``: [offsets] or [visits] (scalar prefetch), then the arrays of ``in_names``."""
     gs = forward_grid_spec(cfg)
-    kernel = functools.partial(_forward_kernel, cfg=cfg, names=gs.in_names)
+    kernel = functools.partial(_forward_kernel, cfg=cfg, names=gs.ref_names())
     kwargs = {}
     if interpret is False:   # compiled: ask Mosaic for the VMEM the blocks were sized for
         kwargs["vmem_limit_bytes"] = blk.vmem_limit_bytes(cfg.chip)

@@ -20,6 +20,7 @@ from flashlab.contract.masks import AttentionSpec
 from flashlab.compat import pallas as compat
 from flashlab.kernels import blocks as blk
 from flashlab.kernels import visit
+from flashlab.kernels.refs import RefNames
 from flashlab.compat.pallas import pl
 
 
@@ -193,8 +194,20 @@ class ForwardGridSpec:
     scratch_shapes: tuple[Any, ...]
     num_scalar_prefetch: int = 2
     dimension_semantics: tuple[str, ...] = ("parallel", "parallel", "parallel", "arbitrary")
+    prefetch_names: tuple[str, ...] | None = None    # None: the kernel takes positional refs
+    scratch_names: tuple[str, ...] = ()
+
+    def ref_names(self) -> RefNames:
+        """The names of the kernel's refs in ``pallas_call`` order (:func:`name_refs`)."""
+        return RefNames(self.prefetch_names, self.in_names, self.out_names, self.scratch_names)
 
     def __post_init__(self):
+        if self.prefetch_names is not None:
+            object.__setattr__(self, "num_scalar_prefetch", len(self.prefetch_names))
+            if len(self.grid) == 3:
+                object.__setattr__(self, "dimension_semantics",
+                                   ("parallel", "parallel", "arbitrary"))
+            return
         # With offsets the kernels take a third scalar-prefetch operand ([2] int32 offsets);
         # the forward's visit grid (B, H, n) takes the visit list [n] int32 instead.
         if getattr(self.config, "has_offsets", False) and self.num_scalar_prefetch == 2:
@@ -381,10 +394,13 @@ def forward_grid_spec(cfg: ForwardConfig) -> ForwardGridSpec:
                compat.VMEM((bq, blk.LANES), jnp.float32),   # l, lane-replicated
                compat.VMEM((bq, Dvp), jnp.float32))         # acc (unnormalised O)
     grid = (B, N, len(cfg.visits())) if cfg.visit_grid else cfg.grid
+    prefetch = (("q_lengths", "kv_lengths") + (("offsets",) if cfg.has_offsets else ())
+                + (("visits",) if cfg.visit_grid else ()))
     return ForwardGridSpec(config=cfg, grid=grid, in_names=tuple(names),
                            in_specs=tuple(specs), in_shapes=tuple(shapes),
                            out_names=tuple(out_names), out_specs=tuple(out_specs),
-                           out_shapes=tuple(out_shapes), scratch_shapes=scratch)
+                           out_shapes=tuple(out_shapes), scratch_shapes=scratch,
+                           prefetch_names=prefetch, scratch_names=("m", "l", "acc"))
 
 
 def _sinks_index_map(b, h, *_):
