@@ -286,13 +286,13 @@ def test_forward_kernel_causal_halves_kv():
 
 def test_forward_kernel_replay_uses_the_kernels_own_specs(monkeypatch):
     built = []
-    orig = kernels.forward.forward_grid_spec
+    orig = kernels.forward_grid.forward_grid_spec
 
     def spy(cfg):                               # record what the kernel module builds
         built.append(orig(cfg))
         return built[-1]
 
-    monkeypatch.setattr(kernels.forward, "forward_grid_spec", spy)
+    monkeypatch.setattr(kernels.forward_grid, "forward_grid_spec", spy)
     kg = traffic.kernel_grid("forward", batch=1, heads=2, seq_len=256, head_dim=64,
                              dtype="float32", block_q=128, block_k=128, is_causal=True)
     (gs,) = built

@@ -129,9 +129,7 @@ def decode_call(cfg: DecodeConfig, interpret=False):
         functools.partial(_decode_kernel, cfg=cfg, names=gs.ref_names()),
         grid_spec=gs.pallas_grid_spec(),
         out_shape=list(gs.out_shapes),
-        compiler_params=compat.CompilerParams(dimension_semantics=gs.dimension_semantics,
-                                              **({"vmem_limit_bytes": blk.vmem_limit_bytes()}
-                                                 if interpret is False else {})),
+        compiler_params=gs.compiler_params(interpret),
         cost_estimate=_cost_estimate(cfg),
         interpret=interpret,
         name="flashlab_decode",

@@ -28,7 +28,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from flashlab.contract import device, masks
 from flashlab.ladder import online_softmax
@@ -157,11 +156,7 @@ def _cost_estimate(cfg: ForwardConfig, gs: ForwardGridSpec) -> Any:
     pairs = bh * visible
     tile = cfg.block_q * cfg.block_k
 
-    def block_bytes(name):   # bytes of one block of operand ``name``
-        spec, shape = gs.spec(name), gs.shape(name)
-        return int(np.prod([d for d in spec.block_shape if d is not None])) * \
-            jnp.dtype(shape.dtype).itemsize
-
+    block_bytes = gs.block_bytes
     read = 0
     for name in gs.in_names:
         if name in ("q", "q_segment_ids", "sinks"):      # once per (b, h, i)
@@ -188,15 +183,11 @@ def _pallas_forward(cfg: ForwardConfig, interpret, q_lengths, kv_lengths, *opera
     """``operands``: [offsets] or [visits] (scalar prefetch), then the arrays of ``in_names``."""
     gs = forward_grid_spec(cfg)
     kernel = functools.partial(_forward_kernel, cfg=cfg, names=gs.ref_names())
-    kwargs = {}
-    if interpret is False:   # compiled: ask Mosaic for the VMEM the blocks were sized for
-        kwargs["vmem_limit_bytes"] = blk.vmem_limit_bytes(cfg.chip)
     out = pl.pallas_call(
         kernel,
         grid_spec=gs.pallas_grid_spec(),
         out_shape=varying_out_shapes(gs, q_lengths, kv_lengths, *operands),
-        compiler_params=compat.CompilerParams(dimension_semantics=gs.dimension_semantics,
-                                              **kwargs),
+        compiler_params=gs.compiler_params(interpret),
         cost_estimate=_cost_estimate(cfg, gs),
         interpret=interpret,
         name="flashlab_flash_forward",

@@ -24,7 +24,7 @@ from flashlab.kernels.refs import RefNames
 from flashlab.compat.pallas import pl
 
 
-__all__ = ["ForwardConfig", "ForwardGridSpec", "IndexMaps", "SUPPORTED_DTYPES", "forward_grid_spec", "global_starts", "index_maps", "make_config", "mask_operands", "offset_shift", "sinks_operand", "visit_index_maps"]
+__all__ = ["block_kwargs", "ForwardConfig", "ForwardGridSpec", "IndexMaps", "SUPPORTED_DTYPES", "forward_grid_spec", "global_starts", "index_maps", "make_config", "mask_operands", "offset_shift", "sinks_operand", "visit_index_maps"]
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
@@ -106,6 +106,19 @@ class ForwardConfig:
                                  window=self.window)
 
 
+def block_kwargs(spec: AttentionSpec) -> dict:
+    """What block-size choice and the VMEM check need to know of ``spec``, forward and backward:
+    ``head_dim_v``, ``bias_dtype`` (the bias as the kernels read it: its own dtype if the
+    kernels support it, else float32, converted in the wrapper), ``has_mask``, ``has_segments``."""
+    bias_dtype = None
+    if spec.bias is not None:
+        bias_dtype = jnp.dtype(spec.bias.dtype)
+        if bias_dtype not in SUPPORTED_DTYPES:
+            bias_dtype = jnp.dtype(jnp.float32)
+    return dict(head_dim_v=spec.head_dim_v, bias_dtype=bias_dtype,
+                has_mask=spec.mask is not None, has_segments=spec.q_segment_ids is not None)
+
+
 def make_config(spec: AttentionSpec, *, block_q=None, block_k=None, return_lse=False,
                 chip=None, visit_grid: bool | None = None) -> ForwardConfig:
     """Build (and check) the kernel configuration for a validated request.
@@ -121,13 +134,8 @@ def make_config(spec: AttentionSpec, *, block_q=None, block_k=None, return_lse=F
     dt = jnp.dtype(spec.dtype)
     if dt not in SUPPORTED_DTYPES:
         raise TypeError(f"query: the Pallas TPU kernel supports float32 and bfloat16, got {dt}")
-    bias_dtype = None
-    if spec.bias is not None:
-        bias_dtype = jnp.dtype(spec.bias.dtype)
-        if bias_dtype not in SUPPORTED_DTYPES:
-            bias_dtype = jnp.dtype(jnp.float32)       # converted in the wrapper
-    kw = dict(head_dim_v=spec.head_dim_v, bias_dtype=bias_dtype, has_mask=spec.mask is not None,
-              has_segments=spec.q_segment_ids is not None, return_lse=return_lse)
+    kw = dict(block_kwargs(spec), return_lse=return_lse)
+    bias_dtype = kw["bias_dtype"]
     auto_q, auto_k = blk.choose_block_sizes(spec.q_len, spec.kv_len, spec.head_dim, dt, chip,
                                             is_causal=spec.is_causal, **kw)
     block_q = auto_q if block_q is None else block_q
@@ -222,6 +230,21 @@ class ForwardGridSpec:
             num_scalar_prefetch=self.num_scalar_prefetch, grid=self.grid,
             in_specs=list(self.in_specs), out_specs=list(self.out_specs),
             scratch_shapes=list(self.scratch_shapes))
+
+    def block_bytes(self, name: str) -> int:
+        """Bytes of one block of operand ``name`` (what one DMA of it moves)."""
+        shape = self.shape(name)
+        return int(np.prod([d for d in self.spec(name).block_shape if d is not None])) * \
+            jnp.dtype(shape.dtype).itemsize
+
+    def compiler_params(self, interpret):
+        """``CompilerParams`` for this grid: its dimension semantics and, compiled
+        (``interpret is False``), the scoped VMEM limit the blocks were sized for
+        (:func:`blocks.vmem_limit_bytes` of the config's chip, else the compile target)."""
+        kw = {}
+        if interpret is False:
+            kw["vmem_limit_bytes"] = blk.vmem_limit_bytes(getattr(self.config, "chip", None))
+        return compat.CompilerParams(dimension_semantics=self.dimension_semantics, **kw)
 
     def spec(self, name: str):
         """The BlockSpec of operand ``name`` (an input or an output)."""
