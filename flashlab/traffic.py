@@ -561,7 +561,8 @@ def kernel_hbm_bytes(kernel: str, *, batch: int, heads: int, seq_len: int, head_
     ``{operand name: bytes}`` (``q``, ``k``, ``v``, ``o`` and, with ``return_lse``, ``lse``)
     plus ``"read"``, ``"written"`` and ``"total"``. ``kernel="backward"`` replays both backward
     kernels and returns ``"dkdv/<operand>"`` and ``"dq/<operand>"`` entries (``q``, ``k``,
-    ``v``, ``do``, ``stats`` = lse and D_i in one lane-replicated float32 block, in; ``dk``,
+    ``v``, ``do``, ``stats`` = lse and D_i lane-replicated float32 ``[B_r, 256]`` (dQ) or
+    ``stats_t`` = lse and D_i as sublane rows ``[8, B_r]`` (dK/dV), in; ``dk``,
     ``dv`` / ``dq`` out), each kernel's
     ``"<kernel>/total"``, plus ``"rowsum_D"`` (the XLA pass before them: read O and dO, write
     the lane-replicated float32 D) and the summed ``"read"``, ``"written"``, ``"total"``.

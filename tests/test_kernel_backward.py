@@ -234,16 +234,17 @@ def test_backward_block_sizes_fit_every_chip():
 @pytest.mark.parametrize("N,bq,bk", [(1024, 128, 128), (1024, 256, 512)])
 def test_backward_traffic_closed_form(N, bq, bk):
     """Non-causal, d = 128 (no lane padding), bf16: per (b, h)
-    dK/dV kernel: K, V read and dK, dV written once; Q, dO, stats re-read per kv block;
-    dQ kernel: Q, dO, stats read and dQ written once; K, V re-read per q block."""
+    dK/dV kernel: K, V read and dK, dV written once; Q, dO, stats_t re-read per kv block;
+    dQ kernel: Q, dO, stats read and dQ written once; K, V re-read per q block.
+    stats_t: lse and D_i as 8 sublane rows per position; stats: 256 lanes (lse | D_i)."""
     B, H, d, e = 2, 3, 128, 2
     r = traffic.kernel_hbm_bytes("backward", batch=B, heads=H, seq_len=N, head_dim=d,
                                  dtype="bfloat16", block_q=bq, block_k=bk)
     Tc, Tr, bh = N // bk, N // bq, B * H
     assert r["dkdv/k"] == r["dkdv/dk"] == bh * N * d * e
     assert r["dkdv/q"] == r["dkdv/do"] == bh * Tc * N * d * e
-    assert r["dkdv/stats"] == bh * Tc * N * 128 * 4
-    assert r["dq/q"] == r["dq/dq"] == bh * N * d * e and r["dq/stats"] == bh * N * 128 * 4
+    assert r["dkdv/stats_t"] == bh * Tc * N * 8 * 4
+    assert r["dq/q"] == r["dq/dq"] == bh * N * d * e and r["dq/stats"] == bh * N * 256 * 4
     assert r["dq/k"] == r["dq/v"] == bh * Tr * N * d * e
     assert r["total"] == r["dkdv/total"] + r["dq/total"] + r["rowsum_D"]
 

@@ -13,10 +13,14 @@ Two kernels, split as in FlashAttention-2 (the choice is argued in chapter 07):
   stays in VMEM while the ``G`` query heads sharing it (GQA) and their q blocks ``i`` stream
   past; dK_j, dV_j accumulate in float32 VMEM scratch and are written once. The last two axes
   are "arbitrary" (they carry the accumulators), the first three "parallel". K/V are never
-  repeated in HBM: the G query heads are a grid axis.
+  repeated in HBM: the G query heads are a grid axis. It computes the transposed tile
+  ``Sᵀ = K Qᵀ`` ``[B_c, B_r]``, so dV and dK are plain matmuls (no XLU transposes).
 * **dQ kernel**, grid ``(batch, heads, T_r, T_c)``, the forward's: dQ_i accumulates over the
-  kv axis ("arbitrary"). With a bias it also writes dS ``[B, N, T, S]`` float32 blocks, which
-  the wrapper sums over the bias's broadcast dims: that is dBias.
+  kv axis ("arbitrary"). With a full-shape bias ``[B, N, T, S]`` it also writes dS: that is
+  dBias.
+* **dBias kernel**, only for a bias broadcast over batch and/or heads: grid (bias axes,
+  ``T_r``, ``T_c``, broadcast axes), dBias accumulated in its float32 output block over the
+  innermost broadcast axes (:func:`dbias_grid_spec`): no ``[B, N, T, S]`` array.
 
 ``D_i`` is an O(N·d) elementwise product and row sum: plain XLA, fused, before the kernels.
 
@@ -35,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .. import masks
 from ..masks import AttentionSpec
 from . import _pallas_compat as compat
 from . import blocks as blk
@@ -42,10 +47,15 @@ from . import forward as fwd
 from ._pallas_compat import pl
 
 __all__ = ["BackwardGridSpec", "make_backward_config", "dkdv_grid_spec", "dq_grid_spec",
-           "backward_grid_specs", "flash_attention_backward"]
+           "dbias_grid_spec", "backward_grid_specs", "flash_attention_backward"]
 
 ForwardConfig = fwd.ForwardConfig
-STATS_D_LANE = blk.LANES // 2      # the stats operand: lse in lanes [0, 64), D_i in [64, 128)
+# The dQ kernel's statistics ``stats [B, N, T, 256]`` float32: lse in lanes [0, 128), D_i in
+# [128, 256), each lane-replicated, so a [B_r, B_c] broadcast is whole vregs reused (no lane
+# broadcast). The dK/dV kernel's ``stats_t [B, N, 8, T]``: lse in sublane row 0, D_i in row 1,
+# positions on lanes, as its transposed tile [B_c, B_r] wants them.
+STATS_LANES = 2 * blk.LANES
+LSE_ROW, D_ROW = 0, 1
 
 
 def make_backward_config(spec: AttentionSpec, *, block_q=None, block_k=None,
@@ -55,7 +65,8 @@ def make_backward_config(spec: AttentionSpec, *, block_q=None, block_k=None,
     Explicit ``block_q``/``block_k`` (the ones given to ``flash_attention``) are used when they
     fit :func:`blocks.backward_vmem_bytes`; missing or too large ones come from
     :func:`blocks.choose_backward_block_sizes` for ``chip`` (``None``: the compile target,
-    :func:`blocks.resolve_chip`).
+    :func:`blocks.resolve_chip`). ``block_q`` is rounded up to a multiple of 128: the dK/dV
+    kernel computes the transposed tile ``Sᵀ [B_c, B_r]``, where B_r is the lane dim.
     """
     chip = blk.resolve_chip(chip)
     dt = jnp.dtype(spec.dtype)
@@ -68,7 +79,8 @@ def make_backward_config(spec: AttentionSpec, *, block_q=None, block_k=None,
               has_segments=spec.q_segment_ids is not None)
     auto_q, auto_k = blk.choose_backward_block_sizes(spec.q_len, spec.kv_len, spec.head_dim, dt,
                                                      chip, **kw)
-    bq = auto_q if block_q is None else block_q
+    auto_q = blk.round_up(auto_q, blk.LANES)
+    bq = auto_q if block_q is None else blk.round_up(block_q, blk.LANES)
     bk = auto_k if block_k is None else block_k
     if not blk._backward_fits(bq, bk, spec.head_dim, dt, chip, **kw):
         bq, bk = auto_q, auto_k
@@ -88,22 +100,50 @@ class BackwardGridSpec(fwd.ForwardGridSpec):
     name: str = ""
 
 
-def _q_side_operands(cfg, q_map, kv_map, scores_map_for, qseg_map, kvseg_map):
-    """Inputs both kernels read: names, BlockSpecs, padded HBM shapes."""
+def _q_side_operands(cfg, q_map, kv_map, scores_map_for, qseg_map, kvseg_map,
+                     transposed=False):
+    """Inputs both kernels read: names, BlockSpecs, padded HBM shapes.
+
+    ``transposed`` (the dK/dV kernel): the statistics are ``stats_t`` rows ``[8, B_r]`` and
+    the segment ids swap orientation (q ids on lanes ``[8, B_r]``, kv ids on sublanes
+    ``[B_c, 128]``), as the tile ``Sᵀ [B_c, B_r]`` wants them.
+    """
     B, N = cfg.batch, cfg.num_heads
     bq, bk = cfg.block_q, cfg.block_k
     Tp, Sp, Dp, Dvp = cfg.q_len_p, cfg.kv_len_p, cfg.head_dim_p, cfg.head_dim_v_p
+    L, SL = blk.LANES, blk.SUBLANES
     sds = jax.ShapeDtypeStruct
-    names = ["q", "k", "v", "do", "stats"]
+    names = ["q", "k", "v", "do"]
     specs = [pl.BlockSpec((None, None, bq, Dp), q_map),
              pl.BlockSpec((None, None, bk, Dp), kv_map),
              pl.BlockSpec((None, None, bk, Dvp), kv_map),
-             pl.BlockSpec((None, None, bq, Dvp), q_map),
-             pl.BlockSpec((None, None, bq, blk.LANES), q_map)]      # lse | D_i lanes
+             pl.BlockSpec((None, None, bq, Dvp), q_map)]
     shapes = [sds((B, N, Tp, Dp), cfg.dtype), sds((B, cfg.num_kv_heads, Sp, Dp), cfg.dtype),
-              sds((B, cfg.num_kv_heads, Sp, Dvp), cfg.dtype), sds((B, N, Tp, Dvp), cfg.dtype),
-              sds((B, N, Tp, blk.LANES), jnp.float32)]
+              sds((B, cfg.num_kv_heads, Sp, Dvp), cfg.dtype), sds((B, N, Tp, Dvp), cfg.dtype)]
+    if transposed:
+        def rows_map(*idx):
+            b, h, i, _ = q_map(*idx)
+            return (b, h, 0, i)
+        names.append("stats_t")
+        specs.append(pl.BlockSpec((None, None, SL, bq), rows_map))
+        shapes.append(sds((B, N, SL, Tp), jnp.float32))
+    else:
+        names.append("stats")
+        specs.append(pl.BlockSpec((None, None, bq, STATS_LANES), q_map))
+        shapes.append(sds((B, N, Tp, STATS_LANES), jnp.float32))
     n2, s2, sh2 = fwd.mask_operands(cfg, scores_map_for, qseg_map, kvseg_map)
+    if transposed and cfg.has_segments:      # same ids, the other orientation
+        def qseg_t(*idx):
+            b, i, _ = qseg_map(*idx)
+            return (b, 0, i)
+
+        def kvseg_t(*idx):
+            b, _, j = kvseg_map(*idx)
+            return (b, j, 0)
+        n2, s2, sh2 = n2[:-2], s2[:-2], sh2[:-2]
+        n2 += ["q_segment_ids_t", "kv_segment_ids_t"]
+        s2 += [pl.BlockSpec((None, SL, bq), qseg_t), pl.BlockSpec((None, bk, L), kvseg_t)]
+        sh2 += [sds((B, SL, Tp), jnp.int32), sds((B, Sp, L), jnp.int32)]
     return names + n2, specs + s2, shapes + sh2
 
 
@@ -143,7 +183,7 @@ def dkdv_grid_spec(cfg: ForwardConfig) -> BackwardGridSpec:
         return (b, 0, j)
 
     names, specs, shapes = _q_side_operands(cfg, q_map, kv_map, scores_map_for, qseg_map,
-                                            kvseg_map)
+                                            kvseg_map, transposed=True)
     sds = jax.ShapeDtypeStruct
     B, K = cfg.batch, cfg.num_kv_heads
     out_specs = (pl.BlockSpec((None, None, bk, Dp), kv_map),
@@ -162,8 +202,9 @@ def dkdv_grid_spec(cfg: ForwardConfig) -> BackwardGridSpec:
 def dq_grid_spec(cfg: ForwardConfig, with_dbias: bool = True) -> BackwardGridSpec:
     """The dQ kernel: the forward's grid ``(b, h, i, j)``, plus a dS output for dBias.
 
-    The dS output ``[B, N, T, S]`` float32 exists only with a bias that is differentiated
-    (``with_dbias``; a constant bias, e.g. ALiBi, gets none).
+    The dS output ``[B, N, T, S]`` float32 exists only with a full-shape bias that is
+    differentiated (``with_dbias``; a constant bias, e.g. ALiBi, gets none; a bias broadcast
+    over batch or heads gets :func:`dbias_grid_spec` instead).
     """
     bq, bk = cfg.block_q, cfg.block_k
     B, N, Tp, Sp, Dp = cfg.batch, cfg.num_heads, cfg.q_len_p, cfg.kv_len_p, cfg.head_dim_p
@@ -177,7 +218,7 @@ def dq_grid_spec(cfg: ForwardConfig, with_dbias: bool = True) -> BackwardGridSpe
     sds = jax.ShapeDtypeStruct
     out_names, out_specs = ["dq"], [pl.BlockSpec((None, None, bq, Dp), maps.q)]
     out_shapes = [sds((B, N, Tp, Dp), cfg.dtype)]
-    if cfg.bias_bcast is not None and with_dbias:
+    if _full_bias(cfg) and with_dbias:
         out_names.append("ds")
         out_specs.append(pl.BlockSpec((None, None, bq, bk), ds_map))
         out_shapes.append(sds((B, N, Tp, Sp), jnp.float32))
@@ -188,10 +229,61 @@ def dq_grid_spec(cfg: ForwardConfig, with_dbias: bool = True) -> BackwardGridSpe
         name="flashlab_flash_backward_dq")
 
 
+def _full_bias(cfg: ForwardConfig) -> bool:
+    """A bias of the scores' full shape ``[B, N, T, S]``: its gradient is dS itself."""
+    return cfg.bias_bcast is not None and not any(cfg.bias_bcast)
+
+
+def _dbias_order(cfg: ForwardConfig) -> tuple[str, ...]:
+    """Grid axes of the dBias kernel: the bias's own axes, then its broadcast ones innermost."""
+    bcast = dict(zip("bh", cfg.bias_bcast))
+    return tuple(a for a in "bh" if not bcast[a]) + ("i", "j") + tuple(
+        a for a in "bh" if bcast[a])
+
+
+def dbias_grid_spec(cfg: ForwardConfig) -> BackwardGridSpec:
+    """The dBias kernel, for a bias broadcast over batch and/or heads (``[1|B, 1|N, T, S]``).
+
+    dBias_ij = Σ over the broadcast (b, h) of dS_ij, accumulated in the float32 output block
+    itself: the grid is the bias's own axes, then ``(i, j)``, then the broadcast axes, which
+    are innermost and "arbitrary", so the block stays resident while they run and no
+    ``[B, N, T, S]`` array is ever made. Each step recomputes S and dP (two matmuls).
+    """
+    order = _dbias_order(cfg)
+    sizes = dict(b=cfg.batch, h=cfg.num_heads, i=cfg.num_q_blocks, j=cfg.num_kv_blocks)
+    maps = fwd.index_maps(cfg)
+
+    def bhij(f):                            # a (b, h, i, j) map on this grid's order
+        def m(*idx):
+            ax = dict(zip(order, idx[:4]))
+            return f(ax["b"], ax["h"], ax["i"], ax["j"], *idx[4:])
+        return m
+
+    def dbias_map(b, h, i, j, *_):
+        return (0 if cfg.bias_bcast[0] else b, 0 if cfg.bias_bcast[1] else h, i, j)
+
+    names, specs, shapes = _q_side_operands(
+        cfg, bhij(maps.q), bhij(maps.kv), lambda bc: bhij(maps.scores_for(bc)),
+        bhij(maps.q_seg), bhij(maps.kv_seg))
+    bias_shape = fwd.mask_operands(cfg, maps.scores_for, maps.q_seg, maps.kv_seg)[2][0].shape
+    n_bc = sum(cfg.bias_bcast)
+    return BackwardGridSpec(
+        config=cfg, grid=tuple(sizes[a] for a in order), in_names=tuple(names),
+        in_specs=tuple(specs), in_shapes=tuple(shapes), out_names=("dbias",),
+        out_specs=(pl.BlockSpec((None, None, cfg.block_q, cfg.block_k), bhij(dbias_map)),),
+        out_shapes=(jax.ShapeDtypeStruct(bias_shape, jnp.float32),), scratch_shapes=(),
+        dimension_semantics=("parallel",) * (4 - n_bc) + ("arbitrary",) * n_bc,
+        name="flashlab_flash_backward_dbias")
+
+
 def backward_grid_specs(cfg: ForwardConfig, with_dbias: bool = True
                         ) -> dict[str, BackwardGridSpec]:
-    """``{"dkdv": ..., "dq": ...}``: both backward kernels' grids, in the order they run."""
-    return {"dkdv": dkdv_grid_spec(cfg), "dq": dq_grid_spec(cfg, with_dbias)}
+    """``{"dkdv": ..., "dq": ...[, "dbias": ...]}``: the backward kernels' grids, in the order
+    they run (``dbias`` only for a differentiated bias broadcast over batch or heads)."""
+    out = {"dkdv": dkdv_grid_spec(cfg), "dq": dq_grid_spec(cfg, with_dbias)}
+    if with_dbias and cfg.bias_bcast is not None and any(cfg.bias_bcast):
+        out["dbias"] = dbias_grid_spec(cfg)
+    return out
 
 
 # ----------------------------------------------------------------------------- the kernels
@@ -201,18 +293,59 @@ def _recompute(ins, cfg: ForwardConfig, q_start, k_start, q_len, kv_len):
 
     ``dS = P ∘ (dP − D)`` is the gradient w.r.t. the logits after the soft cap and bias (so
     it is dBias); ``dS'`` is w.r.t. ``scale·q·k`` (through the soft cap's ``1 − tanh²``).
+    lse and D_i arrive lane-replicated (``stats``): tiling them to ``[B_r, B_c]`` reuses
+    whole vregs, no lane broadcast.
     """
     q, k, v, do = ins["q"][...], ins["k"][...], ins["v"][...], ins["do"][...]
     nt = (((1,), (1,)), ((), ()))                                 # A Bᵀ
     s, t, visible = fwd.score_tile(ins, cfg, q_start, k_start, q_len, kv_len)  # [B_r, B_c]
-    stats = ins["stats"][...]                                     # [B_r, 128]
-    lse, di = stats[:, :1], stats[:, STATS_D_LANE:STATS_D_LANE + 1]  # [B_r, 1] each
-    lse = jnp.where(lse == -jnp.inf, 0.0, lse)                    # rows with no key: P = 0
+    reps = (1, cfg.block_k // blk.LANES)
+    lse = jnp.tile(ins["stats"][:, :blk.LANES], reps)             # [B_r, B_c]
+    di = jnp.tile(ins["stats"][:, blk.LANES:], reps)
     p = jnp.where(visible, jnp.exp(s - lse), 0.0)                 # [B_r, B_c]
     dp = jax.lax.dot_general(do, v, nt, preferred_element_type=jnp.float32)
     ds = p * (dp - di)
     ds_raw = ds if t is None else ds * (1.0 - t * t)
     return q, k, do, p, ds, ds_raw
+
+
+def _recompute_t(ins, cfg: ForwardConfig, q_start, k_start, q_len, kv_len):
+    """The dK/dV kernel's tile, transposed: ``(Pᵀ, dS'ᵀ)`` float32 ``[B_c, B_r]``.
+
+    ``Sᵀ = K Qᵀ`` directly (as splash does), so ``dV = Pᵀ dO`` and ``dK = dS'ᵀ Q`` are plain
+    matmuls: no transpose of P or dS on the XLU. Same mask definition
+    (:func:`masks.structural_visible`) on transposed positions; a bias or dense mask block
+    ``[B_r, B_c]`` is transposed once in VMEM. lse and D_i are rows ``[1, B_r]`` of
+    ``stats_t`` (a sublane broadcast, no lane reduction).
+    """
+    q, k, v, do = ins["q"][...], ins["k"][...], ins["v"][...], ins["do"][...]
+    bq, bk = cfg.block_q, cfg.block_k
+    nt = (((1,), (1,)), ((), ()))                                 # A Bᵀ
+    s = jax.lax.dot_general(k, q, nt, preferred_element_type=jnp.float32) * cfg.scale
+    t = None
+    if cfg.soft_cap is not None:
+        t = jnp.tanh(s / cfg.soft_cap)
+        s = cfg.soft_cap * t
+    if "bias" in ins:
+        s = s + ins["bias"][...].astype(jnp.float32).T
+    k_pos = k_start + jax.lax.broadcasted_iota(jnp.int32, (bk, bq), 0)
+    q_pos = q_start + jax.lax.broadcasted_iota(jnp.int32, (bk, bq), 1)
+    q_seg = kv_seg = None
+    if cfg.has_segments:
+        q_seg = ins["q_segment_ids_t"][...][:1, :]                            # [1, B_r]
+        kv_seg = jnp.tile(ins["kv_segment_ids_t"][...], (1, bq // blk.LANES))  # [B_c, B_r]
+    visible = masks.structural_visible(
+        q_pos, k_pos, is_causal=cfg.is_causal, window=cfg.window,
+        q_len=q_len if cfg.mask_q_len else None,
+        kv_len=kv_len if cfg.mask_kv_len else None, q_seg=q_seg, kv_seg=kv_seg)
+    if "mask" in ins:
+        visible = jnp.logical_and(visible, ins["mask"][...].astype(jnp.int32).T != 0)
+    stats = ins["stats_t"]
+    lse, di = stats[LSE_ROW:LSE_ROW + 1, :], stats[D_ROW:D_ROW + 1, :]   # [1, B_r]
+    p = jnp.where(visible, jnp.exp(s - lse), 0.0)                 # Pᵀ [B_c, B_r]
+    dp = jax.lax.dot_general(v, do, nt, preferred_element_type=jnp.float32)   # dPᵀ
+    ds = p * (dp - di)
+    return p, (ds if t is None else ds * (1.0 - t * t))
 
 
 def _dkdv_kernel(q_lengths_ref, kv_lengths_ref, *refs, cfg: ForwardConfig, names):
@@ -234,13 +367,12 @@ def _dkdv_kernel(q_lengths_ref, kv_lengths_ref, *refs, cfg: ForwardConfig, names
 
     @pl.when(run)
     def _compute():
-        q, _, do, p, _, ds_raw = _recompute(ins, cfg, *fwd.global_starts(
+        p_t, ds_t = _recompute_t(ins, cfg, *fwd.global_starts(
             offsets_ref, i * cfg.block_q, j * cfg.block_k, q_len, kv_len))
-        tn = (((0,), (0,)), ((), ()))                              # Aᵀ B
-        dv_acc[...] += jax.lax.dot_general(p.astype(do.dtype), do, tn,
-                                           preferred_element_type=jnp.float32)
-        dk_acc[...] += jax.lax.dot_general(ds_raw.astype(q.dtype), q, tn,
-                                           preferred_element_type=jnp.float32) * cfg.scale
+        q, do = ins["q"][...], ins["do"][...]
+        dv_acc[...] += jnp.dot(p_t.astype(do.dtype), do, preferred_element_type=jnp.float32)
+        dk_acc[...] += jnp.dot(ds_t.astype(q.dtype), q,
+                               preferred_element_type=jnp.float32) * cfg.scale
 
     @pl.when(jnp.logical_and(g == cfg.group_size - 1, i == cfg.num_q_blocks - 1))
     def _write():
@@ -285,6 +417,31 @@ def _dq_kernel(q_lengths_ref, kv_lengths_ref, *refs, cfg: ForwardConfig, names, 
         dq_ref[...] = dq_acc[...].astype(dq_ref.dtype)
 
 
+def _dbias_kernel(q_lengths_ref, kv_lengths_ref, *refs, cfg: ForwardConfig, names):
+    """Step over :func:`_dbias_order`: dBias_ij += dS_ij of one broadcast (b, h)."""
+    offsets_ref, refs = (refs[0], refs[1:]) if cfg.has_offsets else (None, refs)
+    n_in = len(names)
+    ins = dict(zip(names, refs[:n_in]))
+    dbias_ref = refs[n_in]
+    order = _dbias_order(cfg)
+    ax = {a: pl.program_id(n) for n, a in enumerate(order)}
+    b, i, j = ax["b"], ax["i"], ax["j"]
+    q_len, kv_len = q_lengths_ref[b], kv_lengths_ref[b]
+
+    @pl.when(functools.reduce(jnp.logical_and, [ax[a] == 0 for a in order[4 - sum(
+        cfg.bias_bcast):]]))
+    def _init():
+        dbias_ref[...] = jnp.zeros(dbias_ref.shape, jnp.float32)
+
+    lo, hi = fwd._kv_range(cfg, 0, i, (q_len,), (kv_len,), offsets_ref)
+
+    @pl.when(jnp.logical_and(lo <= j, j <= hi))
+    def _compute():
+        ds = _recompute(ins, cfg, *fwd.global_starts(
+            offsets_ref, i * cfg.block_q, j * cfg.block_k, q_len, kv_len))[4]
+        dbias_ref[...] += ds
+
+
 def _cost_estimate(gs: BackwardGridSpec, kernel: str) -> Any:
     """FLOPs, exps and HBM bytes counting only the computed tiles (static skipping)."""
     cfg = gs.config
@@ -296,8 +453,8 @@ def _cost_estimate(gs: BackwardGridSpec, kernel: str) -> Any:
     pairs = bh * visible
     tile = cfg.block_q * cfg.block_k
     d, dv = cfg.head_dim_p, cfg.head_dim_v_p
-    # dK/dV: S, dP, dV, dK (4 matmuls); dQ: S, dP, dQ (3)
-    flops = 2 * pairs * tile * ((2 * d + 2 * dv) if kernel == "dkdv" else (2 * d + dv))
+    # dK/dV: S, dP, dV, dK (4 matmuls); dQ: S, dP, dQ (3); dBias: S, dP (2)
+    flops = 2 * pairs * tile * {"dkdv": 2 * d + 2 * dv, "dq": 2 * d + dv, "dbias": d + dv}[kernel]
     exps = pairs * tile * (2 if cfg.soft_cap is not None else 1)
 
     def block_bytes(name):
@@ -305,16 +462,16 @@ def _cost_estimate(gs: BackwardGridSpec, kernel: str) -> Any:
         return int(np.prod([x for x in spec.block_shape if x is not None])) * \
             jnp.dtype(shape.dtype).itemsize
 
-    fixed = ("k", "v", "dk", "dv") if kernel == "dkdv" else ("q", "do", "stats",
-                                                              "q_segment_ids", "dq")
+    fixed = {"dkdv": ("k", "v", "dk", "dv"), "dbias": (),
+             "dq": ("q", "do", "stats", "q_segment_ids", "dq")}[kernel]
     outer = (cfg.batch * cfg.num_kv_heads * cfg.num_kv_blocks if kernel == "dkdv"
              else bh * cfg.num_q_blocks)
     nbytes = 0
     for name in gs.in_names + gs.out_names:
         if name in fixed:
             nbytes += outer * block_bytes(name)
-        elif name == "ds":
-            nbytes += bh * cfg.num_q_blocks * cfg.num_kv_blocks * block_bytes(name)
+        elif name in ("ds", "dbias"):
+            nbytes += int(np.prod(gs.shape(name).shape)) * 4
         else:
             nbytes += pairs * block_bytes(name)
     return compat.CostEstimate(flops=int(flops), transcendentals=int(exps),
@@ -348,32 +505,47 @@ def _backward(query, key, value, spec, out, lse, d_out, *, cfg: ForwardConfig, i
     # D_i = rowsum(dO ∘ O): [B, T, N] -> [B, N, T], an O(N·d) XLA fusion.
     di = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
     di = jnp.swapaxes(di, 1, 2)
+    lse = jnp.where(lse == -jnp.inf, 0.0, lse)      # rows with no key: P = 0 by the mask
 
-    # stats [B, N, T_pad, 128] float32: lse in lanes 0..63, D_i in lanes 64..127 (one
-    # lane-replicated block instead of two: a [B_r] vector is not a tile; pad rows are 0).
-    def pad(x):
+    def pad(x):                                     # [B, N, T] -> [B, N, T_pad], pad rows 0
         return jnp.pad(x.astype(jnp.float32), ((0, 0), (0, 0), (0, Tp - cfg.q_len)))
 
-    half = (*lse.shape[:2], Tp, STATS_D_LANE)
-    stats = jnp.concatenate([jnp.broadcast_to(pad(lse)[..., None], half),
-                             jnp.broadcast_to(pad(di)[..., None], half)], axis=-1)
-
+    lse, di = pad(lse), pad(di)
+    L = blk.LANES
+    arrays = dict(zip(["q", "k", "v"] + [n for n in ("bias", "mask") if getattr(spec, n)
+                                          is not None], ops))
+    if spec.q_segment_ids is not None:
+        arrays["q_segment_ids"], arrays["kv_segment_ids"] = ops[-2:]
+        arrays["q_segment_ids_t"] = jnp.broadcast_to(
+            ops[-2][:, None, :, 0], (cfg.batch, blk.SUBLANES, Tp))
+        arrays["kv_segment_ids_t"] = jnp.broadcast_to(ops[-1][:, 0, :, None],
+                                                      (cfg.batch, cfg.kv_len_p, L))
+    # stats [B, N, T_pad, 256]: lse | D_i, each lane-replicated (the dQ kernel's rows);
+    # stats_t [B, N, 8, T_pad]: lse and D_i as sublane rows 0 and 1 (the dK/dV kernel's).
+    arrays["stats"] = jnp.concatenate([jnp.broadcast_to(x[..., None], (*x.shape, L))
+                                       for x in (lse, di)], axis=-1)
+    rows = jnp.zeros((*lse.shape[:2], blk.SUBLANES, Tp), jnp.float32)
+    arrays["stats_t"] = rows.at[:, :, LSE_ROW].set(lse).at[:, :, D_ROW].set(di)
     do = jnp.swapaxes(d_out.astype(cfg.dtype), 1, 2)
-    do = jnp.pad(do, ((0, 0), (0, 0), (0, Tp - cfg.q_len), (0, Dvp - cfg.head_dim_v)))
-    ops = fwd.offset_operands(cfg, spec) + ops[:3] + [do, stats] + ops[3:]
-    dk, dv = _call(dkdv_grid_spec(cfg), _dkdv_kernel, "dkdv", interpret, q_lengths,
-                   kv_lengths, ops)
-    dq_outs = _call(dq_grid_spec(cfg, with_dbias), _dq_kernel, "dq", interpret, q_lengths,
-                    kv_lengths, ops)
+    arrays["do"] = jnp.pad(do, ((0, 0), (0, 0), (0, Tp - cfg.q_len),
+                                (0, Dvp - cfg.head_dim_v)))
+    pre = fwd.offset_operands(cfg, spec)
+
+    def run(gs, kernel_fn, kernel):
+        return _call(gs, kernel_fn, kernel, interpret, q_lengths, kv_lengths,
+                     pre + [arrays[n] for n in gs.in_names])
+
+    dk, dv = run(dkdv_grid_spec(cfg), _dkdv_kernel, "dkdv")
+    dq_outs = run(dq_grid_spec(cfg, with_dbias), _dq_kernel, "dq")
     unpad = lambda x, T, D: jnp.swapaxes(x[:, :, :T, :D], 1, 2)  # noqa: E731
     dq = unpad(dq_outs[0], cfg.q_len, cfg.head_dim)
     dk = unpad(dk, cfg.kv_len, cfg.head_dim)
     dv = unpad(dv, cfg.kv_len, cfg.head_dim_v)
     dbias = None
-    if with_dbias:
-        ds = dq_outs[1][:, :, :cfg.q_len, :cfg.kv_len]                  # [B, N, T, S] float32
-        axes = tuple(a for a in (0, 1) if spec.bias.shape[a] == 1 and ds.shape[a] > 1)
-        dbias = jnp.sum(ds, axis=axes, keepdims=True).astype(spec.bias.dtype)
+    if with_dbias:                  # dS itself, or summed in-kernel over the broadcast dims
+        ds = (dq_outs[1] if _full_bias(cfg) else
+              run(dbias_grid_spec(cfg), _dbias_kernel, "dbias")[0])
+        dbias = ds[:, :, :cfg.q_len, :cfg.kv_len].astype(spec.bias.dtype)
     return dq, dk, dv, dbias
 
 
