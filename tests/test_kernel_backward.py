@@ -128,6 +128,29 @@ def test_value_head_dim_differs_and_soft_cap_with_bias():
     _check(q, k, v, kw)
 
 
+def test_fused_backward_option_matches_the_oracle():
+    """One kernel for dQ, dK, dV (partial dQ per kv block, summed after): the oracle's
+    gradients, with GQA, causal, 2 x 2 blocks and a full-shape bias (its dS via the dBias
+    kernel, since there is no dQ kernel)."""
+    rng = np.random.default_rng(12)
+    B, T, N, K, H = 1, 160, 2, 1, 64
+    q, k, v = random_qkv(rng, B, T, T, N, K, H)
+    bias = rng.standard_normal((B, N, T, T)).astype(np.float32)
+    dout = rng.standard_normal((B, T, N, H)).astype(np.float32)
+    q_, k_, v_, spec = validate(*(jnp.asarray(x) for x in (q, k, v)), jnp.asarray(bias), None,
+                                is_causal=True)
+    out, lse = flash_attention_forward(q_, k_, v_, spec, block_q=128, block_k=128,
+                                       interpret=True)
+    got = flash_attention_backward(q_, k_, v_, spec, out, lse, jnp.asarray(dout), block_q=128,
+                                   block_k=128, interpret=True, fused=True)
+    ref = oracle_grads(q, k, v, dout, {"is_causal": True, "bias": bias})
+    scale = max(np.abs(r).max() for r in ref)
+    for label, g, r in zip(("dq", "dk", "dv", "dbias"), got, ref):
+        assert np.abs(np.asarray(g) - r).max() / scale <= F32_RTOL, label
+    with pytest.raises(TypeError, match="fused"):
+        flash_attention_backward(q_, k_, v_, spec, out, lse, jnp.asarray(dout), fused="yes")
+
+
 def test_fully_masked_rows_have_zero_finite_gradients():
     rng = np.random.default_rng(4)
     B, T, S, N, H = 2, 24, 200, 2, 64

@@ -20,7 +20,8 @@ Two kernels, split as in FlashAttention-2 (the choice is argued in chapter 07):
   dBias.
 * **dBias kernel**, only for a bias broadcast over batch and/or heads: grid (bias axes,
   ``T_r``, ``T_c``, broadcast axes), dBias accumulated in its float32 output block over the
-  innermost broadcast axes (:func:`dbias_grid_spec`): no ``[B, N, T, S]`` array.
+  innermost broadcast axes (:mod:`flashlab.kernels.backward_dbias`): no ``[B, N, T, S]``
+  array.
 
 ``D_i`` is an O(N·d) elementwise product and row sum: plain XLA, fused, before the kernels.
 
@@ -47,7 +48,7 @@ from . import forward as fwd
 from ._pallas_compat import pl
 
 __all__ = ["BackwardGridSpec", "make_backward_config", "dkdv_grid_spec", "dq_grid_spec",
-           "dbias_grid_spec", "backward_grid_specs", "flash_attention_backward"]
+           "backward_grid_specs", "flash_attention_backward"]
 
 ForwardConfig = fwd.ForwardConfig
 # The dQ kernel's statistics ``stats [B, N, T, 256]`` float32: lse in lanes [0, 128), D_i in
@@ -56,6 +57,7 @@ ForwardConfig = fwd.ForwardConfig
 # positions on lanes, as its transposed tile [B_c, B_r] wants them.
 STATS_LANES = 2 * blk.LANES
 LSE_ROW, D_ROW = 0, 1
+LOG2E = float(np.log2(np.e))       # lse is stored (and P computed) in log2 units
 
 
 def make_backward_config(spec: AttentionSpec, *, block_q=None, block_k=None,
@@ -154,8 +156,14 @@ def _q_range(cfg, b, j, q_lengths, kv_lengths, offsets=None):
                              shift=fwd.offset_shift(offsets))
 
 
-def dkdv_grid_spec(cfg: ForwardConfig) -> BackwardGridSpec:
-    """The dK/dV kernel: grid ``(b, hk, j, g, i)``; query head ``h = hk·G + g``."""
+def dkdv_grid_spec(cfg: ForwardConfig, fused: bool = False) -> BackwardGridSpec:
+    """The dK/dV kernel: grid ``(b, hk, j, g, i)``; query head ``h = hk·G + g``.
+
+    ``fused``: the fused backward option, one kernel for dQ, dK and dV. Each step also writes
+    its partial ``dQ_i^(j) = dS'_ij K_j`` (unscaled) as a float32 block of ``dq_part
+    [B, N, T_c, T, d]`` (zeros for a skipped step), summed over ``T_c`` in XLA after: no
+    atomics, no revisited output, at the price of ``T_c`` float32 copies of dQ in HBM.
+    """
     G = cfg.group_size
     bk = cfg.block_k
     Sp, Dp, Dvp = cfg.kv_len_p, cfg.head_dim_p, cfg.head_dim_v_p
@@ -189,14 +197,22 @@ def dkdv_grid_spec(cfg: ForwardConfig) -> BackwardGridSpec:
     out_specs = (pl.BlockSpec((None, None, bk, Dp), kv_map),
                  pl.BlockSpec((None, None, bk, Dvp), kv_map))
     out_shapes = (sds((B, K, Sp, Dp), cfg.dtype), sds((B, K, Sp, Dvp), cfg.dtype))
+    out_names = ("dk", "dv")
+    if fused:                        # every (b, h, j, i) block written once: unclamped i
+        def dq_part_map(b, hk, j, g, i, *_):
+            return (b, hk * G + g, j, i, 0)
+        out_names += ("dq_part",)
+        out_specs += (pl.BlockSpec((None, None, None, cfg.block_q, Dp), dq_part_map),)
+        out_shapes += (sds((B, cfg.num_heads, cfg.num_kv_blocks, cfg.q_len_p, Dp),
+                           jnp.float32),)
     scratch = (compat.VMEM((bk, Dp), jnp.float32), compat.VMEM((bk, Dvp), jnp.float32))
     return BackwardGridSpec(
         config=cfg, grid=(B, K, cfg.num_kv_blocks, G, cfg.num_q_blocks),
         in_names=tuple(names), in_specs=tuple(specs), in_shapes=tuple(shapes),
-        out_names=("dk", "dv"), out_specs=out_specs, out_shapes=out_shapes,
+        out_names=out_names, out_specs=out_specs, out_shapes=out_shapes,
         scratch_shapes=scratch,
         dimension_semantics=("parallel", "parallel", "parallel", "arbitrary", "arbitrary"),
-        name="flashlab_flash_backward_dkdv")
+        name="flashlab_flash_backward_dkdv" + ("_fused" if fused else ""))
 
 
 def dq_grid_spec(cfg: ForwardConfig, with_dbias: bool = True) -> BackwardGridSpec:
@@ -204,7 +220,7 @@ def dq_grid_spec(cfg: ForwardConfig, with_dbias: bool = True) -> BackwardGridSpe
 
     The dS output ``[B, N, T, S]`` float32 exists only with a full-shape bias that is
     differentiated (``with_dbias``; a constant bias, e.g. ALiBi, gets none; a bias broadcast
-    over batch or heads gets :func:`dbias_grid_spec` instead).
+    over batch or heads gets :func:`flashlab.kernels.backward_dbias.dbias_grid_spec` instead).
     """
     bq, bk = cfg.block_q, cfg.block_k
     B, N, Tp, Sp, Dp = cfg.batch, cfg.num_heads, cfg.q_len_p, cfg.kv_len_p, cfg.head_dim_p
@@ -234,52 +250,11 @@ def _full_bias(cfg: ForwardConfig) -> bool:
     return cfg.bias_bcast is not None and not any(cfg.bias_bcast)
 
 
-def _dbias_order(cfg: ForwardConfig) -> tuple[str, ...]:
-    """Grid axes of the dBias kernel: the bias's own axes, then its broadcast ones innermost."""
-    bcast = dict(zip("bh", cfg.bias_bcast))
-    return tuple(a for a in "bh" if not bcast[a]) + ("i", "j") + tuple(
-        a for a in "bh" if bcast[a])
-
-
-def dbias_grid_spec(cfg: ForwardConfig) -> BackwardGridSpec:
-    """The dBias kernel, for a bias broadcast over batch and/or heads (``[1|B, 1|N, T, S]``).
-
-    dBias_ij = Σ over the broadcast (b, h) of dS_ij, accumulated in the float32 output block
-    itself: the grid is the bias's own axes, then ``(i, j)``, then the broadcast axes, which
-    are innermost and "arbitrary", so the block stays resident while they run and no
-    ``[B, N, T, S]`` array is ever made. Each step recomputes S and dP (two matmuls).
-    """
-    order = _dbias_order(cfg)
-    sizes = dict(b=cfg.batch, h=cfg.num_heads, i=cfg.num_q_blocks, j=cfg.num_kv_blocks)
-    maps = fwd.index_maps(cfg)
-
-    def bhij(f):                            # a (b, h, i, j) map on this grid's order
-        def m(*idx):
-            ax = dict(zip(order, idx[:4]))
-            return f(ax["b"], ax["h"], ax["i"], ax["j"], *idx[4:])
-        return m
-
-    def dbias_map(b, h, i, j, *_):
-        return (0 if cfg.bias_bcast[0] else b, 0 if cfg.bias_bcast[1] else h, i, j)
-
-    names, specs, shapes = _q_side_operands(
-        cfg, bhij(maps.q), bhij(maps.kv), lambda bc: bhij(maps.scores_for(bc)),
-        bhij(maps.q_seg), bhij(maps.kv_seg))
-    bias_shape = fwd.mask_operands(cfg, maps.scores_for, maps.q_seg, maps.kv_seg)[2][0].shape
-    n_bc = sum(cfg.bias_bcast)
-    return BackwardGridSpec(
-        config=cfg, grid=tuple(sizes[a] for a in order), in_names=tuple(names),
-        in_specs=tuple(specs), in_shapes=tuple(shapes), out_names=("dbias",),
-        out_specs=(pl.BlockSpec((None, None, cfg.block_q, cfg.block_k), bhij(dbias_map)),),
-        out_shapes=(jax.ShapeDtypeStruct(bias_shape, jnp.float32),), scratch_shapes=(),
-        dimension_semantics=("parallel",) * (4 - n_bc) + ("arbitrary",) * n_bc,
-        name="flashlab_flash_backward_dbias")
-
-
 def backward_grid_specs(cfg: ForwardConfig, with_dbias: bool = True
                         ) -> dict[str, BackwardGridSpec]:
     """``{"dkdv": ..., "dq": ...[, "dbias": ...]}``: the backward kernels' grids, in the order
     they run (``dbias`` only for a differentiated bias broadcast over batch or heads)."""
+    from .backward_dbias import dbias_grid_spec
     out = {"dkdv": dkdv_grid_spec(cfg), "dq": dq_grid_spec(cfg, with_dbias)}
     if with_dbias and cfg.bias_bcast is not None and any(cfg.bias_bcast):
         out["dbias"] = dbias_grid_spec(cfg)
@@ -288,72 +263,77 @@ def backward_grid_specs(cfg: ForwardConfig, with_dbias: bool = True
 
 # ----------------------------------------------------------------------------- the kernels
 
-def _recompute(ins, cfg: ForwardConfig, q_start, k_start, q_len, kv_len):
-    """Recompute one ``[B_r, B_c]`` tile: returns ``(q, k, do, P, dS, dS')`` (float32 P, dS).
+def _tile(ins, cfg: ForwardConfig, q_start, k_start, q_len, kv_len, *, transposed=False):
+    """Recompute one tile: ``(P, dS, dS')`` float32, ``[B_r, B_c]`` or ``[B_c, B_r]``.
 
     ``dS = P ∘ (dP − D)`` is the gradient w.r.t. the logits after the soft cap and bias (so
     it is dBias); ``dS'`` is w.r.t. ``scale·q·k`` (through the soft cap's ``1 − tanh²``).
-    lse and D_i arrive lane-replicated (``stats``): tiling them to ``[B_r, B_c]`` reuses
-    whole vregs, no lane broadcast.
+
+    ``transposed`` (the dK/dV kernel): ``Sᵀ = K Qᵀ`` directly, as splash does, so
+    ``dV = Pᵀ dO`` and ``dK = dS'ᵀ Q`` are plain matmuls with no transpose of P or dS on the
+    XLU; a bias or dense-mask block ``[B_r, B_c]`` is transposed once in VMEM, and lse, D_i
+    are rows ``[1, B_r]`` of ``stats_t`` (a sublane broadcast). Otherwise (dQ, dBias) they
+    are lane-replicated ``stats`` tiled to ``[B_r, B_c]``: whole vregs reused, no lane
+    broadcast. The logits are kept in log2 units (``log2(e)`` folded into the scale, the
+    bias and the wrapper's lse), so ``P = exp2(S₂ − lse₂)`` costs no multiply per score.
+    One mask definition: :func:`masks.structural_visible` on (transposed) positions.
     """
     q, k, v, do = ins["q"][...], ins["k"][...], ins["v"][...], ins["do"][...]
+    bq, bk, L = cfg.block_q, cfg.block_k, blk.LANES
     nt = (((1,), (1,)), ((), ()))                                 # A Bᵀ
-    s, t, visible = fwd.score_tile(ins, cfg, q_start, k_start, q_len, kv_len)  # [B_r, B_c]
-    reps = (1, cfg.block_k // blk.LANES)
-    lse = jnp.tile(ins["stats"][:, :blk.LANES], reps)             # [B_r, B_c]
-    di = jnp.tile(ins["stats"][:, blk.LANES:], reps)
-    p = jnp.where(visible, jnp.exp(s - lse), 0.0)                 # [B_r, B_c]
-    dp = jax.lax.dot_general(do, v, nt, preferred_element_type=jnp.float32)
-    ds = p * (dp - di)
-    ds_raw = ds if t is None else ds * (1.0 - t * t)
-    return q, k, do, p, ds, ds_raw
-
-
-def _recompute_t(ins, cfg: ForwardConfig, q_start, k_start, q_len, kv_len):
-    """The dK/dV kernel's tile, transposed: ``(Pᵀ, dS'ᵀ)`` float32 ``[B_c, B_r]``.
-
-    ``Sᵀ = K Qᵀ`` directly (as splash does), so ``dV = Pᵀ dO`` and ``dK = dS'ᵀ Q`` are plain
-    matmuls: no transpose of P or dS on the XLU. Same mask definition
-    (:func:`masks.structural_visible`) on transposed positions; a bias or dense mask block
-    ``[B_r, B_c]`` is transposed once in VMEM. lse and D_i are rows ``[1, B_r]`` of
-    ``stats_t`` (a sublane broadcast, no lane reduction).
-    """
-    q, k, v, do = ins["q"][...], ins["k"][...], ins["v"][...], ins["do"][...]
-    bq, bk = cfg.block_q, cfg.block_k
-    nt = (((1,), (1,)), ((), ()))                                 # A Bᵀ
-    s = jax.lax.dot_general(k, q, nt, preferred_element_type=jnp.float32) * cfg.scale
+    orient = (lambda x: x.T) if transposed else (lambda x: x)     # noqa: E731
+    shape, q_axis = ((bk, bq), 1) if transposed else ((bq, bk), 0)
+    s = jax.lax.dot_general(*((k, q) if transposed else (q, k)), nt,
+                            preferred_element_type=jnp.float32)
     t = None
-    if cfg.soft_cap is not None:
-        t = jnp.tanh(s / cfg.soft_cap)
-        s = cfg.soft_cap * t
+    if cfg.soft_cap is None:
+        s = s * (cfg.scale * LOG2E)
+    else:
+        t = jnp.tanh(s * (cfg.scale / cfg.soft_cap))
+        s = (cfg.soft_cap * LOG2E) * t
     if "bias" in ins:
-        s = s + ins["bias"][...].astype(jnp.float32).T
-    k_pos = k_start + jax.lax.broadcasted_iota(jnp.int32, (bk, bq), 0)
-    q_pos = q_start + jax.lax.broadcasted_iota(jnp.int32, (bk, bq), 1)
+        s = s + orient(ins["bias"][...].astype(jnp.float32)) * LOG2E
+    q_pos = q_start + jax.lax.broadcasted_iota(jnp.int32, shape, q_axis)
+    k_pos = k_start + jax.lax.broadcasted_iota(jnp.int32, shape, 1 - q_axis)
     q_seg = kv_seg = None
-    if cfg.has_segments:
+    if cfg.has_segments and transposed:
         q_seg = ins["q_segment_ids_t"][...][:1, :]                            # [1, B_r]
-        kv_seg = jnp.tile(ins["kv_segment_ids_t"][...], (1, bq // blk.LANES))  # [B_c, B_r]
+        kv_seg = jnp.tile(ins["kv_segment_ids_t"][...], (1, bq // L))         # [B_c, B_r]
+    elif cfg.has_segments:
+        q_seg = jnp.tile(ins["q_segment_ids"][...], (1, bk // L))             # [B_r, B_c]
+        kv_seg = ins["kv_segment_ids"][...][:1, :]                            # [1, B_c]
     visible = masks.structural_visible(
         q_pos, k_pos, is_causal=cfg.is_causal, window=cfg.window,
         q_len=q_len if cfg.mask_q_len else None,
         kv_len=kv_len if cfg.mask_kv_len else None, q_seg=q_seg, kv_seg=kv_seg)
     if "mask" in ins:
-        visible = jnp.logical_and(visible, ins["mask"][...].astype(jnp.int32).T != 0)
-    stats = ins["stats_t"]
-    lse, di = stats[LSE_ROW:LSE_ROW + 1, :], stats[D_ROW:D_ROW + 1, :]   # [1, B_r]
-    p = jnp.where(visible, jnp.exp(s - lse), 0.0)                 # Pᵀ [B_c, B_r]
-    dp = jax.lax.dot_general(v, do, nt, preferred_element_type=jnp.float32)   # dPᵀ
+        mask = ins["mask"][...]                                   # [B_r, B_c] int8
+        if transposed or blk.resolve_chip(cfg.chip) in blk.NO_INT8_VPU:
+            mask = mask.astype(jnp.int32)                         # Mosaic: no int8 compare on v4
+        visible = jnp.logical_and(visible, orient(mask) != 0)
+    if transposed:
+        lse, di = ins["stats_t"][LSE_ROW:LSE_ROW + 1, :], ins["stats_t"][D_ROW:D_ROW + 1, :]
+    else:
+        lse = jnp.tile(ins["stats"][:, :L], (1, bk // L))
+        di = jnp.tile(ins["stats"][:, L:], (1, bk // L))
+    p = jnp.exp2(jnp.where(visible, s, -jnp.inf) - lse)          # masked: exp2(-inf) = 0
+    dp = jax.lax.dot_general(*((v, do) if transposed else (do, v)), nt,
+                             preferred_element_type=jnp.float32)
     ds = p * (dp - di)
-    return p, (ds if t is None else ds * (1.0 - t * t))
+    return p, ds, (ds if t is None else ds * (1.0 - t * t))
 
 
-def _dkdv_kernel(q_lengths_ref, kv_lengths_ref, *refs, cfg: ForwardConfig, names):
-    """Step ``(b, hk, j, g, i)``: dV_j += P_ijᵀ dO_i, dK_j += scale·dS'_ijᵀ Q_i."""
+def _dkdv_kernel(q_lengths_ref, kv_lengths_ref, *refs, cfg: ForwardConfig, names,
+                 fused=False):
+    """Step ``(b, hk, j, g, i)``: dV_j += P_ijᵀ dO_i, dK_j += scale·dS'_ijᵀ Q_i.
+
+    ``fused``: also ``dq_part[j, i] = dS'_ij K_j`` (see :func:`dkdv_grid_spec`)."""
     offsets_ref, refs = (refs[0], refs[1:]) if cfg.has_offsets else (None, refs)
     n_in = len(names)
     ins = dict(zip(names, refs[:n_in]))
-    dk_ref, dv_ref, dk_acc, dv_acc = refs[n_in:]
+    dk_ref, dv_ref = refs[n_in:n_in + 2]
+    dq_part = refs[n_in + 2] if fused else None
+    dk_acc, dv_acc = refs[n_in + 2 + fused:]
     b, j, g, i = pl.program_id(0), pl.program_id(2), pl.program_id(3), pl.program_id(4)
     q_len, kv_len = q_lengths_ref[b], kv_lengths_ref[b]
 
@@ -367,16 +347,24 @@ def _dkdv_kernel(q_lengths_ref, kv_lengths_ref, *refs, cfg: ForwardConfig, names
 
     @pl.when(run)
     def _compute():
-        p_t, ds_t = _recompute_t(ins, cfg, *fwd.global_starts(
-            offsets_ref, i * cfg.block_q, j * cfg.block_k, q_len, kv_len))
+        p_t, _, ds_t = _tile(ins, cfg, *fwd.global_starts(
+            offsets_ref, i * cfg.block_q, j * cfg.block_k, q_len, kv_len), transposed=True)
         q, do = ins["q"][...], ins["do"][...]
         dv_acc[...] += jnp.dot(p_t.astype(do.dtype), do, preferred_element_type=jnp.float32)
-        dk_acc[...] += jnp.dot(ds_t.astype(q.dtype), q,
-                               preferred_element_type=jnp.float32) * cfg.scale
+        dk_acc[...] += jnp.dot(ds_t.astype(q.dtype), q, preferred_element_type=jnp.float32)
+        if fused:                                                  # dS'ᵀᵀ K_j: [B_r, d]
+            dq_part[...] = jax.lax.dot_general(ds_t.astype(q.dtype), ins["k"][...],
+                                               (((0,), (0,)), ((), ())),
+                                               preferred_element_type=jnp.float32)
+
+    if fused:
+        @pl.when(jnp.logical_not(run))
+        def _zero_dq_part():
+            dq_part[...] = jnp.zeros(dq_part.shape, jnp.float32)
 
     @pl.when(jnp.logical_and(g == cfg.group_size - 1, i == cfg.num_q_blocks - 1))
     def _write():
-        dk_ref[...] = dk_acc[...].astype(dk_ref.dtype)
+        dk_ref[...] = (dk_acc[...] * cfg.scale).astype(dk_ref.dtype)   # scale once per row
         dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
 
 
@@ -400,10 +388,11 @@ def _dq_kernel(q_lengths_ref, kv_lengths_ref, *refs, cfg: ForwardConfig, names, 
 
     @pl.when(run)
     def _compute():
-        _, k, _, _, ds, ds_raw = _recompute(ins, cfg, *fwd.global_starts(
+        _, ds, ds_raw = _tile(ins, cfg, *fwd.global_starts(
             offsets_ref, i * cfg.block_q, j * cfg.block_k, q_len, kv_len))
+        k = ins["k"][...]
         dq_acc[...] += jax.lax.dot_general(ds_raw.astype(k.dtype), k, (((1,), (0,)), ((), ())),
-                                           preferred_element_type=jnp.float32) * cfg.scale
+                                           preferred_element_type=jnp.float32)
         if has_ds:
             ds_ref[...] = ds
 
@@ -414,32 +403,7 @@ def _dq_kernel(q_lengths_ref, kv_lengths_ref, *refs, cfg: ForwardConfig, names, 
 
     @pl.when(j == cfg.num_kv_blocks - 1)
     def _write():
-        dq_ref[...] = dq_acc[...].astype(dq_ref.dtype)
-
-
-def _dbias_kernel(q_lengths_ref, kv_lengths_ref, *refs, cfg: ForwardConfig, names):
-    """Step over :func:`_dbias_order`: dBias_ij += dS_ij of one broadcast (b, h)."""
-    offsets_ref, refs = (refs[0], refs[1:]) if cfg.has_offsets else (None, refs)
-    n_in = len(names)
-    ins = dict(zip(names, refs[:n_in]))
-    dbias_ref = refs[n_in]
-    order = _dbias_order(cfg)
-    ax = {a: pl.program_id(n) for n, a in enumerate(order)}
-    b, i, j = ax["b"], ax["i"], ax["j"]
-    q_len, kv_len = q_lengths_ref[b], kv_lengths_ref[b]
-
-    @pl.when(functools.reduce(jnp.logical_and, [ax[a] == 0 for a in order[4 - sum(
-        cfg.bias_bcast):]]))
-    def _init():
-        dbias_ref[...] = jnp.zeros(dbias_ref.shape, jnp.float32)
-
-    lo, hi = fwd._kv_range(cfg, 0, i, (q_len,), (kv_len,), offsets_ref)
-
-    @pl.when(jnp.logical_and(lo <= j, j <= hi))
-    def _compute():
-        ds = _recompute(ins, cfg, *fwd.global_starts(
-            offsets_ref, i * cfg.block_q, j * cfg.block_k, q_len, kv_len))[4]
-        dbias_ref[...] += ds
+        dq_ref[...] = (dq_acc[...] * cfg.scale).astype(dq_ref.dtype)   # scale once per row
 
 
 def _cost_estimate(gs: BackwardGridSpec, kernel: str) -> Any:
@@ -455,6 +419,8 @@ def _cost_estimate(gs: BackwardGridSpec, kernel: str) -> Any:
     d, dv = cfg.head_dim_p, cfg.head_dim_v_p
     # dK/dV: S, dP, dV, dK (4 matmuls); dQ: S, dP, dQ (3); dBias: S, dP (2)
     flops = 2 * pairs * tile * {"dkdv": 2 * d + 2 * dv, "dq": 2 * d + dv, "dbias": d + dv}[kernel]
+    if "dq_part" in gs.out_names:                 # the fused option's fifth matmul
+        flops += 2 * pairs * tile * d
     exps = pairs * tile * (2 if cfg.soft_cap is not None else 1)
 
     def block_bytes(name):
@@ -482,7 +448,8 @@ def _call(gs: BackwardGridSpec, kernel_fn, kernel: str, interpret, q_lengths, kv
     kwargs = {}
     if interpret is False:
         kwargs["vmem_limit_bytes"] = blk.vmem_limit_bytes(gs.config.chip)
-    kw = {"has_ds": "ds" in gs.out_names} if kernel == "dq" else {}
+    kw = ({"has_ds": "ds" in gs.out_names} if kernel == "dq" else
+          {"fused": "dq_part" in gs.out_names} if kernel == "dkdv" else {})
     return pl.pallas_call(
         functools.partial(kernel_fn, cfg=gs.config, names=gs.in_names, **kw),
         grid_spec=gs.pallas_grid_spec(),
@@ -495,17 +462,18 @@ def _call(gs: BackwardGridSpec, kernel_fn, kernel: str, interpret, q_lengths, kv
     )(q_lengths, kv_lengths, *ops)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "interpret", "with_dbias"))
+@functools.partial(jax.jit, static_argnames=("cfg", "interpret", "with_dbias", "fused"))
 def _backward(query, key, value, spec, out, lse, d_out, *, cfg: ForwardConfig, interpret,
-              with_dbias=True):
-    """Gradients ``(dq, dk, dv, dbias | None)`` in the public layout."""
+              with_dbias=True, fused=False):
+    """Gradients ``(dq, dk, dv, dbias | None)`` in the public layout (``fused``: one kernel
+    for dQ, dK, dV, see :func:`dkdv_grid_spec`)."""
     with_dbias = with_dbias and spec.bias is not None
     Tp, Dvp = cfg.q_len_p, cfg.head_dim_v_p
     q_lengths, kv_lengths, ops = fwd._prepare(cfg, query, key, value, spec)
     # D_i = rowsum(dO ∘ O): [B, T, N] -> [B, N, T], an O(N·d) XLA fusion.
     di = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
     di = jnp.swapaxes(di, 1, 2)
-    lse = jnp.where(lse == -jnp.inf, 0.0, lse)      # rows with no key: P = 0 by the mask
+    lse = jnp.where(lse == -jnp.inf, 0.0, lse) * LOG2E   # log2 units; no key: P = 0 (mask)
 
     def pad(x):                                     # [B, N, T] -> [B, N, T_pad], pad rows 0
         return jnp.pad(x.astype(jnp.float32), ((0, 0), (0, 0), (0, Tp - cfg.q_len)))
@@ -535,29 +503,38 @@ def _backward(query, key, value, spec, out, lse, d_out, *, cfg: ForwardConfig, i
         return _call(gs, kernel_fn, kernel, interpret, q_lengths, kv_lengths,
                      pre + [arrays[n] for n in gs.in_names])
 
-    dk, dv = run(dkdv_grid_spec(cfg), _dkdv_kernel, "dkdv")
-    dq_outs = run(dq_grid_spec(cfg, with_dbias), _dq_kernel, "dq")
+    if fused:
+        dk, dv, dq_part = run(dkdv_grid_spec(cfg, fused=True), _dkdv_kernel, "dkdv")
+        dq_outs = [(jnp.sum(dq_part, axis=2) * cfg.scale).astype(cfg.dtype)]
+    else:
+        dk, dv = run(dkdv_grid_spec(cfg), _dkdv_kernel, "dkdv")
+        dq_outs = run(dq_grid_spec(cfg, with_dbias), _dq_kernel, "dq")
     unpad = lambda x, T, D: jnp.swapaxes(x[:, :, :T, :D], 1, 2)  # noqa: E731
     dq = unpad(dq_outs[0], cfg.q_len, cfg.head_dim)
     dk = unpad(dk, cfg.kv_len, cfg.head_dim)
     dv = unpad(dv, cfg.kv_len, cfg.head_dim_v)
     dbias = None
     if with_dbias:                  # dS itself, or summed in-kernel over the broadcast dims
-        ds = (dq_outs[1] if _full_bias(cfg) else
-              run(dbias_grid_spec(cfg), _dbias_kernel, "dbias")[0])
+        from . import backward_dbias as dbias_k
+        ds = (dq_outs[1] if _full_bias(cfg) and not fused else
+              run(dbias_k.dbias_grid_spec(cfg), dbias_k.dbias_kernel, "dbias")[0])
         dbias = ds[:, :, :cfg.q_len, :cfg.kv_len].astype(spec.bias.dtype)
     return dq, dk, dv, dbias
 
 
 def flash_attention_backward(query, key, value, spec: AttentionSpec, out, lse, d_out, *,
-                             block_q=None, block_k=None, interpret=None, chip=None):
+                             block_q=None, block_k=None, interpret=None, chip=None,
+                             fused=False):
     """The backward kernels on validated inputs: ``(dq, dk, dv, dbias | None)``.
 
     ``out [B, T, N, d_v]`` and ``lse [B, N, T]`` float32 come from
     :func:`forward.flash_attention_forward`; ``d_out`` is the cotangent of ``out``. Returns
     gradients in the public layout and the inputs' dtypes; ``dbias`` has the bias's shape
-    (summed over its broadcast dims) or is ``None`` without a bias.
+    (summed over its broadcast dims) or is ``None`` without a bias. ``fused``: one kernel for
+    dQ, dK and dV instead of two (:func:`dkdv_grid_spec`; not the default, see chapter 07).
     """
+    if not isinstance(fused, bool):
+        raise TypeError(f"fused: expected a bool, got {fused!r}")
     cfg = make_backward_config(spec, block_q=block_q, block_k=block_k, chip=chip)
     return _backward(query, key, value, spec, out, lse, d_out, cfg=cfg,
-                     interpret=fwd._resolve_interpret(interpret))
+                     interpret=fwd._resolve_interpret(interpret), fused=fused)
