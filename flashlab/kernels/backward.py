@@ -149,7 +149,35 @@ def _q_side_operands(cfg, q_map, kv_map, scores_map_for, qseg_map, kvseg_map,
     return names + n2, specs + s2, shapes + sh2
 
 
+class _Const:
+    """``lengths[b] -> n`` for every ``b``: a length known when the kernel is built."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __getitem__(self, b) -> int:
+        return self.n
+
+
+def _lengths(cfg, q_lengths, kv_lengths):
+    """The lengths index maps and kernels read: Python ints when they are static (none
+    given, no kv padding, no offsets), so every block range folds to a few scalar ops per
+    grid step instead of SMEM loads, divisions and clamps (~110 cycles per step on v6e)."""
+    if cfg.mask_q_len or cfg.mask_kv_len or cfg.has_offsets:
+        return q_lengths, kv_lengths
+    return _Const(cfg.q_len), _Const(cfg.kv_len)
+
+
+def _static_maps(cfg, f):
+    """Index map ``f`` reading :func:`_lengths` instead of the scalar-prefetched ones."""
+    def m(*idx):
+        *grid, q_lengths, kv_lengths = idx[:len(idx) - cfg.has_offsets]
+        return f(*grid, *_lengths(cfg, q_lengths, kv_lengths), *idx[len(idx) - cfg.has_offsets:])
+    return m
+
+
 def _q_range(cfg, b, j, q_lengths, kv_lengths, offsets=None):
+    q_lengths, kv_lengths = _lengths(cfg, q_lengths, kv_lengths)
     return blk.q_block_range(j, q_lengths[b], kv_lengths[b], block_q=cfg.block_q,
                              block_k=cfg.block_k, num_q_blocks=cfg.num_q_blocks,
                              is_causal=cfg.is_causal, window=cfg.window,
@@ -224,7 +252,10 @@ def dq_grid_spec(cfg: ForwardConfig, with_dbias: bool = True) -> BackwardGridSpe
     """
     bq, bk = cfg.block_q, cfg.block_k
     B, N, Tp, Sp, Dp = cfg.batch, cfg.num_heads, cfg.q_len_p, cfg.kv_len_p, cfg.head_dim_p
-    maps = fwd.index_maps(cfg)                         # the forward's grid and maps
+    base = fwd.index_maps(cfg)                         # the forward's grid and maps
+    maps = fwd.IndexMaps(_static_maps(cfg, base.q), _static_maps(cfg, base.kv),
+                         lambda bc: _static_maps(cfg, base.scores_for(bc)),
+                         _static_maps(cfg, base.q_seg), _static_maps(cfg, base.kv_seg))
 
     def ds_map(b, h, i, j, q_lengths, kv_lengths, offsets=None):  # every block written
         return (b, h, i, j)
@@ -335,7 +366,8 @@ def _dkdv_kernel(q_lengths_ref, kv_lengths_ref, *refs, cfg: ForwardConfig, names
     dq_part = refs[n_in + 2] if fused else None
     dk_acc, dv_acc = refs[n_in + 2 + fused:]
     b, j, g, i = pl.program_id(0), pl.program_id(2), pl.program_id(3), pl.program_id(4)
-    q_len, kv_len = q_lengths_ref[b], kv_lengths_ref[b]
+    q_lengths, kv_lengths = _lengths(cfg, q_lengths_ref, kv_lengths_ref)
+    q_len, kv_len = q_lengths[b], kv_lengths[b]
 
     @pl.when(jnp.logical_and(g == 0, i == 0))
     def _init():
@@ -377,7 +409,8 @@ def _dq_kernel(q_lengths_ref, kv_lengths_ref, *refs, cfg: ForwardConfig, names, 
     ds_ref = refs[n_in + 1] if has_ds else None
     dq_acc = refs[n_in + 1 + has_ds]
     b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
-    q_len, kv_len = q_lengths_ref[b], kv_lengths_ref[b]
+    q_lengths, kv_lengths = _lengths(cfg, q_lengths_ref, kv_lengths_ref)
+    q_len, kv_len = q_lengths[b], kv_lengths[b]
 
     @pl.when(j == 0)
     def _init():
