@@ -25,8 +25,8 @@ from flashlab.instruments import traffic
 from flashlab.compat import pallas as compat
 from flashlab.kernels import blocks as blk
 from flashlab.kernels import flash_attention
-from flashlab.kernels.backward import (backward_grid_specs, flash_attention_backward,
-                                       make_backward_config)
+from flashlab.kernels.backward import flash_attention_backward
+from flashlab.kernels.backward_grid import backward_grid_specs, make_backward_config
 from flashlab.kernels.forward import flash_attention_forward
 from flashlab.contract.masks import block_maybe_visible, validate
 from flashlab.ladder.reference import naive_attention
@@ -127,6 +127,29 @@ def test_value_head_dim_differs_and_soft_cap_with_bias():
     kw = {"logits_soft_cap": 1.5, "bias": rng.standard_normal((B, 1, T, S)).astype(np.float32),
           "local_window_size": (5, 1)}
     _check(q, k, v, kw)
+
+
+def test_fused_backward_option_matches_the_oracle():
+    """One kernel for dQ, dK, dV (partial dQ per kv block, summed after): the oracle's
+    gradients, with GQA, causal, 2 x 2 blocks and a full-shape bias (its dS via the dBias
+    kernel, since there is no dQ kernel)."""
+    rng = np.random.default_rng(12)
+    B, T, N, K, H = 1, 160, 2, 1, 64
+    q, k, v = random_qkv(rng, B, T, T, N, K, H)
+    bias = rng.standard_normal((B, N, T, T)).astype(np.float32)
+    dout = rng.standard_normal((B, T, N, H)).astype(np.float32)
+    q_, k_, v_, spec = validate(*(jnp.asarray(x) for x in (q, k, v)), jnp.asarray(bias), None,
+                                is_causal=True)
+    out, lse = flash_attention_forward(q_, k_, v_, spec, block_q=128, block_k=128,
+                                       interpret=True)
+    got = flash_attention_backward(q_, k_, v_, spec, out, lse, jnp.asarray(dout), block_q=128,
+                                   block_k=128, interpret=True, fused=True)
+    ref = oracle_grads(q, k, v, dout, {"is_causal": True, "bias": bias})
+    scale = max(np.abs(r).max() for r in ref)
+    for label, g, r in zip(("dq", "dk", "dv", "dbias"), got, ref):
+        assert np.abs(np.asarray(g) - r).max() / scale <= F32_RTOL, label
+    with pytest.raises(TypeError, match="fused"):
+        flash_attention_backward(q_, k_, v_, spec, out, lse, jnp.asarray(dout), fused="yes")
 
 
 def test_fully_masked_rows_have_zero_finite_gradients():
@@ -235,16 +258,17 @@ def test_backward_block_sizes_fit_every_chip():
 @pytest.mark.parametrize("N,bq,bk", [(1024, 128, 128), (1024, 256, 512)])
 def test_backward_traffic_closed_form(N, bq, bk):
     """Non-causal, d = 128 (no lane padding), bf16: per (b, h)
-    dK/dV kernel: K, V read and dK, dV written once; Q, dO, stats re-read per kv block;
-    dQ kernel: Q, dO, stats read and dQ written once; K, V re-read per q block."""
+    dK/dV kernel: K, V read and dK, dV written once; Q, dO, stats_t re-read per kv block;
+    dQ kernel: Q, dO, stats read and dQ written once; K, V re-read per q block.
+    stats_t: lse and D_i as 8 sublane rows per position; stats: 256 lanes (lse | D_i)."""
     B, H, d, e = 2, 3, 128, 2
     r = traffic.kernel_hbm_bytes("backward", batch=B, heads=H, seq_len=N, head_dim=d,
                                  dtype="bfloat16", block_q=bq, block_k=bk)
     Tc, Tr, bh = N // bk, N // bq, B * H
     assert r["dkdv/k"] == r["dkdv/dk"] == bh * N * d * e
     assert r["dkdv/q"] == r["dkdv/do"] == bh * Tc * N * d * e
-    assert r["dkdv/stats"] == bh * Tc * N * 128 * 4
-    assert r["dq/q"] == r["dq/dq"] == bh * N * d * e and r["dq/stats"] == bh * N * 128 * 4
+    assert r["dkdv/stats_t"] == bh * Tc * N * 8 * 4
+    assert r["dq/q"] == r["dq/dq"] == bh * N * d * e and r["dq/stats"] == bh * N * 256 * 4
     assert r["dq/k"] == r["dq/v"] == bh * Tr * N * d * e
     assert r["total"] == r["dkdv/total"] + r["dq/total"] + r["rowsum_D"]
 

@@ -9,6 +9,7 @@ from flashlab.contract import masks
 from flashlab.ladder import reference
 from flashlab.kernels import blocks as blk, forward as fw, visit
 from flashlab.kernels import forward_grid
+from flashlab.kernels import forward_config
 from flashlab.kernels import flash
 
 CASES = [  # (q_len, kv_len, block_q, block_k, is_causal, window)
@@ -66,7 +67,7 @@ def test_auto_visit_grid_only_where_it_skips_steps():
     def cfg(causal, window=None, **kw):
         q, k, v, a = _spec(256, 256, causal, window)
         spec = masks.validate(q, k, v, None, None, **a)[3]
-        return forward_grid.make_config(spec, block_q=128, block_k=128, **kw)
+        return forward_config.make_config(spec, block_q=128, block_k=128, **kw)
     assert cfg(True).visit_grid and not cfg(False).visit_grid
     assert not cfg(True, visit_grid=False).visit_grid
     gs = forward_grid.forward_grid_spec(cfg(True))
@@ -80,9 +81,9 @@ def test_visit_grid_refused_with_offsets():
     q, k, v, a = _spec(256, 256, True, None)
     spec = masks.validate(q, k, v, None, None, **a)[3]
     spec = dataclasses.replace(spec, q_offset=jnp.int32(128), kv_offset=jnp.int32(0))
-    assert not forward_grid.make_config(spec, block_q=128, block_k=128).visit_grid
+    assert not forward_config.make_config(spec, block_q=128, block_k=128).visit_grid
     with pytest.raises(ValueError, match="offsets"):
-        forward_grid.make_config(spec, block_q=128, block_k=128, visit_grid=True)
+        forward_config.make_config(spec, block_q=128, block_k=128, visit_grid=True)
 
 
 @pytest.mark.parametrize("causal,window,lengths", [(True, None, (200, 250)),

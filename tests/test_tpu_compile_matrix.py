@@ -204,3 +204,24 @@ def test_distributed_compiles_on_a_slice(chip, which):
     _check(report)
     assert report.compiled.as_text().count("collective-permute" if which == "ring" else
                                            "tpu_custom_call") > 0
+
+
+def test_broadcast_bias_gradient_makes_no_full_scores_array():
+    """dBias of a bias broadcast over batch and heads is accumulated inside the dBias kernel:
+    the compiled program's temporaries stay far below one float32 [B, N, T, S] array (at
+    517cb85, which wrote dS and summed it in XLA: temp 71.6 MB here; now 12.8 MB)."""
+    B, T, N, d = 2, 1024, 8, 128
+    x = jax.ShapeDtypeStruct((B, T, N, d), BF16)
+    bias = jax.ShapeDtypeStruct((1, 1, T, T), F32)
+
+    def grad(q, k, v, bias):
+        loss = lambda *a: flashlab.kernels.flash_attention(  # noqa: E731
+            *a, is_causal=True, interpret=False).astype(jnp.float32).sum()
+        return jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, bias)
+
+    report = tpu_compile.compile(grad, x, x, x, bias, chip="v6e")
+    _check(report)
+    text = report.compiled.as_text()
+    assert "flashlab_flash_backward_dbias" in text
+    full = B * N * T * T * 4                       # 64 MiB: what the old dS output was
+    assert report.memory["temp"] < full // 2, (report.memory, full)

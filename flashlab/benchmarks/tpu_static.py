@@ -37,7 +37,9 @@ def _flashlab(chip, backward, causal, block, shape, dtype):
     import jax
     from flashlab.contract import masks
     from flashlab.kernels import backward as bw
+    from flashlab.kernels import backward_grid
     from flashlab.kernels import forward_grid
+    from flashlab.kernels import forward_config
     from flashlab.kernels import flash
     B, T, H, d = shape
     x = jax.ShapeDtypeStruct((B, T, H, d), dtype)
@@ -46,9 +48,9 @@ def _flashlab(chip, backward, causal, block, shape, dtype):
 
     def probe(q, k, v):                      # the blocks as the kernels resolve them
         q, k, v, spec = masks.validate(q, k, v, None, None, is_causal=causal)
-        f = forward_grid.make_config(spec, block_q=bq, block_k=bk, chip=chip)
+        f = forward_config.make_config(spec, block_q=bq, block_k=bk, chip=chip)
         got["fwd"] = (f.block_q, f.block_k)
-        c = bw.make_backward_config(spec, block_q=bq, block_k=bk, chip=chip)
+        c = backward_grid.make_backward_config(spec, block_q=bq, block_k=bk, chip=chip)
         got["bwd"] = [c.block_q, c.block_k]
         return q
     jax.eval_shape(probe, x, x, x)

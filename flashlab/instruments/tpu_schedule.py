@@ -55,7 +55,7 @@ _EUP = {"vexp2", "vexp", "vlog2", "vlog", "vrcp", "vrsqrt", "vsqrt", "vtanh", "v
 _BUNDLE = re.compile(r"^\s*(0x[0-9a-f]+|\d+)\s+(LB|LH|LE|PB|PF|CT)?:\s*(>*)\s*\{")  # > per loop depth
 _BRANCH = re.compile(r"sbr\.rel\s*\(([^)]*)\)\s*target bundleno = (\d+) \(0x[0-9a-f]+\), "
                      r"region = (\d+)")
-_MATMUL = re.compile(r"^vmatmul\.(mubr\.)?(?:msk\.)?(\w+)\..*mxu(\d+)$")  # msk: masked rows
+_MATMUL = re.compile(r"^vmatmul\.(mubr\.)?(?:msk\.)?(\w+)\..*mxu(\d+)$")  # msk: a masked operand
 _OPCODE = re.compile(r"^(?:%\S+\s*=\s*)?([A-Za-z_][\w.\[\]]*)")
 
 

@@ -313,8 +313,8 @@ def kernel_grid(kernel: str, *, batch: int, heads: int, seq_len: int, head_dim: 
     :func:`flashlab.kernels.forward_grid.forward_grid_spec` builds for ``pallas_call`` — the same
     objects, with the kernel's own block-size checks (``make_config``).
     ``kernel="backward_dkdv"`` / ``"backward_dq"``: the two backward kernels'
-    (:func:`flashlab.kernels.backward.dkdv_grid_spec`,
-    :func:`~flashlab.kernels.backward.dq_grid_spec`).
+    (:func:`flashlab.kernels.backward_grid.dkdv_grid_spec`,
+    :func:`~flashlab.kernels.backward_grid.dq_grid_spec`).
     ``kernel="backward"`` names two kernels: use :func:`kernel_hbm_bytes`, which sums them.
     """
     names = ("forward", "backward_dkdv", "backward_dq")
@@ -328,6 +328,7 @@ def kernel_grid(kernel: str, *, batch: int, heads: int, seq_len: int, head_dim: 
     try:
         from flashlab.kernels import forward as kfwd
         from flashlab.kernels import forward_grid
+        from flashlab.kernels import forward_config
     except ImportError as err:       # a checkout without the kernel rung
         raise NotImplementedError(f"kernel={kernel!r}: flashlab.kernels is not available ({err})"
                                   ) from err
@@ -346,13 +347,14 @@ def kernel_grid(kernel: str, *, batch: int, heads: int, seq_len: int, head_dim: 
                          window=window, soft_cap=None)
     # The dense grid (B, H, T_r, T_c): the forward's visit grid (kernels/visit.py) copies the
     # same blocks in the same order (tests/test_kernel_visit.py replays both).
-    cfg = forward_grid.make_config(spec, block_q=block_q, block_k=block_k, return_lse=return_lse,
+    cfg = forward_config.make_config(spec, block_q=block_q, block_k=block_k, return_lse=return_lse,
                            visit_grid=False)
     if kernel == "forward":
         gs, name = forward_grid.forward_grid_spec(cfg), "flashlab_flash_forward"
     else:
         from flashlab.kernels import backward as kbwd
-        gs = (kbwd.dkdv_grid_spec if kernel == "backward_dkdv" else kbwd.dq_grid_spec)(cfg)
+        from flashlab.kernels import backward_grid
+        gs = (backward_grid.dkdv_grid_spec if kernel == "backward_dkdv" else backward_grid.dq_grid_spec)(cfg)
         name = gs.name
     # the scalar-prefetch operands the wrapper passes: full q and kv lengths per batch row
     lengths = (np.full((batch,), seq_len, np.int32), np.full((batch,), kv_len, np.int32))
@@ -373,7 +375,8 @@ def kernel_hbm_bytes(kernel: str, *, batch: int, heads: int, seq_len: int, head_
     ``{operand name: bytes}`` (``q``, ``k``, ``v``, ``o`` and, with ``return_lse``, ``lse``)
     plus ``"read"``, ``"written"`` and ``"total"``. ``kernel="backward"`` replays both backward
     kernels and returns ``"dkdv/<operand>"`` and ``"dq/<operand>"`` entries (``q``, ``k``,
-    ``v``, ``do``, ``stats`` = lse and D_i in one lane-replicated float32 block, in; ``dk``,
+    ``v``, ``do``, ``stats`` = lse and D_i lane-replicated float32 ``[B_r, 256]`` (dQ) or
+    ``stats_t`` = lse and D_i as sublane rows ``[8, B_r]`` (dK/dV), in; ``dk``,
     ``dv`` / ``dq`` out), each kernel's
     ``"<kernel>/total"``, plus ``"rowsum_D"`` (the XLA pass before them: read O and dO, write
     the lane-replicated float32 D) and the summed ``"read"``, ``"written"``, ``"total"``.

@@ -18,7 +18,8 @@ from flashlab.kernels.blocks import (
     choose_block_sizes, vmem_budget_bytes, vmem_bytes, vmem_capacity_bytes)
 from flashlab.kernels.flash import flash_attention, flash_attention_from_spec
 from flashlab.kernels.forward import flash_attention_forward
-from flashlab.kernels.forward_grid import ForwardConfig, ForwardGridSpec, forward_grid_spec, make_config
+from flashlab.kernels.forward_grid import ForwardGridSpec, forward_grid_spec
+from flashlab.kernels.forward_config import ForwardConfig, make_config
 
 __all__ = ["flash_attention", "flash_attention_from_spec", "flash_attention_forward",
            "choose_block_sizes", "vmem_bytes", "vmem_capacity_bytes", "vmem_budget_bytes",

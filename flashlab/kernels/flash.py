@@ -16,8 +16,10 @@ from flashlab.compat.shard_map import in_manual_mesh, pvary, vma_of
 from flashlab.contract import masks
 from flashlab.contract.masks import AttentionSpec
 from flashlab.kernels import backward
+from flashlab.kernels import backward_grid
 from flashlab.kernels import forward as fwd
 from flashlab.kernels import forward_grid
+from flashlab.kernels import forward_config
 from flashlab.ladder import online_softmax
 
 __all__ = ["flash_attention", "flash_attention_from_spec"]
@@ -83,8 +85,8 @@ def _sink_grad(sinks, out, lse, d_out):
 def flash_attention_from_spec(query, key, value, spec: AttentionSpec, *, block_q=None,
                               block_k=None, interpret=None, chip=None):
     """The forward kernel on already validated inputs (what the backend registry calls)."""
-    cfg = forward_grid.make_config(spec, block_q=block_q, block_k=block_k, chip=chip)
-    bwd_cfg = backward.make_backward_config(spec, block_q=block_q, block_k=block_k, chip=chip)
+    cfg = forward_config.make_config(spec, block_q=block_q, block_k=block_k, chip=chip)
+    bwd_cfg = backward_grid.make_backward_config(spec, block_q=block_q, block_k=block_k, chip=chip)
     f = _attention_manual if in_manual_mesh() else _attention
     # Inside shard_map: every operand varies over the same mesh axes, so each cotangent has
     # its primal's type (JAX sums a replicated input's cotangent outside, as for any op).

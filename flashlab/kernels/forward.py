@@ -38,8 +38,8 @@ from flashlab.kernels import blocks as blk
 from flashlab.kernels import visit
 from flashlab.kernels.refs import RefNames, name_refs
 from flashlab.compat.pallas import pl
-from flashlab.kernels.forward_grid import (
-    ForwardConfig, ForwardGridSpec, forward_grid_spec, global_starts, make_config, sinks_operand)
+from flashlab.kernels.forward_grid import ForwardGridSpec, forward_grid_spec, global_starts, sinks_operand
+from flashlab.kernels.forward_config import ForwardConfig, make_config
 
 __all__ = ["flash_attention_forward"]
 

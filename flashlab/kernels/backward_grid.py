@@ -1,0 +1,314 @@
+"""The backward kernels' configuration and grids, as data (chapter 07).
+
+:func:`make_backward_config` picks the backward's blocks; :func:`dkdv_grid_spec`,
+:func:`dq_grid_spec` and :func:`dbias_grid_spec` build the exact grids, BlockSpecs and scratch
+of the three ``pallas_call`` s of :mod:`flashlab.kernels.backward`, reusing the forward's index
+maps and mask operands (:mod:`flashlab.kernels.forward_grid`);
+:mod:`flashlab.instruments.traffic` replays the same objects.
+
+The dBias grid (a bias broadcast over batch and/or heads) is the bias's own axes, then
+``(T_r, T_c)``, then the broadcast axes innermost ("arbitrary"), so the float32 output block
+``dBias_ij`` stays resident while every broadcast (b, h) adds its dS_ij: no ``[B, N, T, S]``
+array is made (the full float32 dS is 2 GiB at B=2, N=16, T=S=4096).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from flashlab.contract.masks import AttentionSpec
+from flashlab.compat import pallas as compat
+from flashlab.kernels import blocks as blk
+from flashlab.kernels import forward_grid
+from flashlab.kernels import forward_config
+from flashlab.compat.pallas import pl
+
+
+__all__ = ["ForwardConfig", "LSE_ROW", "D_ROW", "LOG2E", "BackwardGridSpec", "STATS_LANES", "backward_grid_specs", "dbias_grid_spec", "dkdv_grid_spec", "dq_grid_spec", "make_backward_config", "prefetch_names"]
+
+ForwardConfig = forward_config.ForwardConfig
+# The dQ kernel's statistics ``stats [B, N, T, 256]`` float32: lse in lanes [0, 128), D_i in
+# [128, 256), each lane-replicated, so a [B_r, B_c] broadcast is whole vregs reused (no lane
+# broadcast). The dK/dV kernel's ``stats_t [B, N, 8, T]``: lse in sublane row 0, D_i in row 1,
+# positions on lanes, as its transposed tile [B_c, B_r] wants them.
+STATS_LANES = 2 * blk.LANES
+LSE_ROW, D_ROW = 0, 1
+LOG2E = float(np.log2(np.e))       # lse is stored (and P computed) in log2 units
+
+
+def make_backward_config(spec: AttentionSpec, *, block_q=None, block_k=None,
+                         chip=None) -> ForwardConfig:
+    """The backward kernels' configuration: the forward's, with the backward's block sizes.
+
+    Explicit ``block_q``/``block_k`` (the ones given to ``flash_attention``) are used when they
+    fit :func:`blocks.backward_vmem_bytes`; missing or too large ones come from
+    :func:`blocks.choose_backward_block_sizes` for ``chip`` (``None``: the compile target,
+    :func:`blocks.resolve_chip`). ``block_q`` is rounded up to a multiple of 128: the dK/dV
+    kernel computes the transposed tile ``Sᵀ [B_c, B_r]``, where B_r is the lane dim.
+    """
+    chip = blk.resolve_chip(chip)
+    dt = jnp.dtype(spec.dtype)
+    kw = forward_config.block_kwargs(spec)
+    auto_q, auto_k = blk.choose_backward_block_sizes(spec.q_len, spec.kv_len, spec.head_dim, dt,
+                                                     chip, **kw)
+    auto_q = blk.round_up(auto_q, blk.LANES)
+    bq = auto_q if block_q is None else blk.round_up(block_q, blk.LANES)
+    bk = auto_k if block_k is None else block_k
+    if not blk._backward_fits(bq, bk, spec.head_dim, dt, chip, **kw):
+        bq, bk = auto_q, auto_k
+    return forward_config.make_config(spec, block_q=bq, block_k=bk, chip=chip)
+
+
+# ----------------------------------------------------------------------------- grids as data
+
+@dataclasses.dataclass(frozen=True)
+class BackwardGridSpec(forward_grid.ForwardGridSpec):
+    """One backward kernel's grid and BlockSpecs (see :class:`forward.ForwardGridSpec`).
+
+    Index maps take ``(*grid indices, q_lengths, kv_lengths)`` and run on ints and NumPy
+    arrays too, so :mod:`flashlab.instruments.traffic` replays them.
+    """
+
+    name: str = ""
+
+
+def prefetch_names(cfg: ForwardConfig) -> tuple[str, ...]:
+    """The backward kernels' scalar-prefetch operands: q/kv lengths [and offsets]."""
+    return ("q_lengths", "kv_lengths") + (("offsets",) if cfg.has_offsets else ())
+
+
+def _q_side_operands(cfg, q_map, kv_map, scores_map_for, qseg_map, kvseg_map,
+                     transposed=False):
+    """Inputs both kernels read: names, BlockSpecs, padded HBM shapes.
+
+    ``transposed`` (the dK/dV kernel): the statistics are ``stats_t`` rows ``[8, B_r]`` and
+    the segment ids swap orientation (q ids on lanes ``[8, B_r]``, kv ids on sublanes
+    ``[B_c, 128]``), as the tile ``Sᵀ [B_c, B_r]`` wants them.
+    """
+    B, N = cfg.batch, cfg.num_heads
+    bq, bk = cfg.block_q, cfg.block_k
+    Tp, Sp, Dp, Dvp = cfg.q_len_p, cfg.kv_len_p, cfg.head_dim_p, cfg.head_dim_v_p
+    L, SL = blk.LANES, blk.SUBLANES
+    sds = jax.ShapeDtypeStruct
+    names = ["q", "k", "v", "do"]
+    specs = [pl.BlockSpec((None, None, bq, Dp), q_map),
+             pl.BlockSpec((None, None, bk, Dp), kv_map),
+             pl.BlockSpec((None, None, bk, Dvp), kv_map),
+             pl.BlockSpec((None, None, bq, Dvp), q_map)]
+    shapes = [sds((B, N, Tp, Dp), cfg.dtype), sds((B, cfg.num_kv_heads, Sp, Dp), cfg.dtype),
+              sds((B, cfg.num_kv_heads, Sp, Dvp), cfg.dtype), sds((B, N, Tp, Dvp), cfg.dtype)]
+    if transposed:
+        def rows_map(*idx):
+            b, h, i, _ = q_map(*idx)
+            return (b, h, 0, i)
+        names.append("stats_t")
+        specs.append(pl.BlockSpec((None, None, SL, bq), rows_map))
+        shapes.append(sds((B, N, SL, Tp), jnp.float32))
+    else:
+        names.append("stats")
+        specs.append(pl.BlockSpec((None, None, bq, STATS_LANES), q_map))
+        shapes.append(sds((B, N, Tp, STATS_LANES), jnp.float32))
+    n2, s2, sh2 = forward_grid.mask_operands(cfg, scores_map_for, qseg_map, kvseg_map)
+    if transposed and cfg.has_segments:      # same ids, the other orientation
+        def qseg_t(*idx):
+            b, i, _ = qseg_map(*idx)
+            return (b, 0, i)
+
+        def kvseg_t(*idx):
+            b, _, j = kvseg_map(*idx)
+            return (b, j, 0)
+        n2, s2, sh2 = n2[:-2], s2[:-2], sh2[:-2]
+        n2 += ["q_segment_ids_t", "kv_segment_ids_t"]
+        s2 += [pl.BlockSpec((None, SL, bq), qseg_t), pl.BlockSpec((None, bk, L), kvseg_t)]
+        sh2 += [sds((B, SL, Tp), jnp.int32), sds((B, Sp, L), jnp.int32)]
+    return names + n2, specs + s2, shapes + sh2
+
+
+class _Const:
+    """``lengths[b] -> n`` for every ``b``: a length known when the kernel is built."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __getitem__(self, b) -> int:
+        return self.n
+
+
+def _lengths(cfg, q_lengths, kv_lengths):
+    """The lengths index maps and kernels read: Python ints when they are static (none
+    given, no kv padding, no offsets), so every block range folds to a few scalar ops per
+    grid step instead of SMEM loads, divisions and clamps (~110 cycles per step on v6e)."""
+    if cfg.mask_q_len or cfg.mask_kv_len or cfg.has_offsets:
+        return q_lengths, kv_lengths
+    return _Const(cfg.q_len), _Const(cfg.kv_len)
+
+
+def _static_maps(cfg, f):
+    """Index map ``f`` reading :func:`_lengths` instead of the scalar-prefetched ones."""
+    def m(*idx):
+        *grid, q_lengths, kv_lengths = idx[:len(idx) - cfg.has_offsets]
+        return f(*grid, *_lengths(cfg, q_lengths, kv_lengths), *idx[len(idx) - cfg.has_offsets:])
+    return m
+
+
+def _q_range(cfg, b, j, q_lengths, kv_lengths, offsets=None):
+    q_lengths, kv_lengths = _lengths(cfg, q_lengths, kv_lengths)
+    return blk.q_block_range(j, q_lengths[b], kv_lengths[b], block_q=cfg.block_q,
+                             block_k=cfg.block_k,
+                             is_causal=cfg.is_causal, window=cfg.window,
+                             shift=forward_grid.offset_shift(offsets))
+
+
+def dkdv_grid_spec(cfg: ForwardConfig, fused: bool = False) -> BackwardGridSpec:
+    """The dK/dV kernel: grid ``(b, hk, j, g, i)``; query head ``h = hk·G + g``.
+
+    ``fused``: the fused backward option, one kernel for dQ, dK and dV. Each step also writes
+    its partial ``dQ_i^(j) = dS'_ij K_j`` (unscaled) as a float32 block of ``dq_part
+    [B, N, T_c, T, d]`` (zeros for a skipped step), summed over ``T_c`` in XLA after: no
+    atomics, no revisited output, at the price of ``T_c`` float32 copies of dQ in HBM.
+    """
+    G = cfg.group_size
+    bk = cfg.block_k
+    Sp, Dp, Dvp = cfg.kv_len_p, cfg.head_dim_p, cfg.head_dim_v_p
+
+    def q_block(b, j, i, q_lengths, kv_lengths, offsets=None):
+        lo, hi = _q_range(cfg, b, j, q_lengths, kv_lengths, offsets)
+        return blk.clamp_block(i, lo, hi, cfg.num_q_blocks)   # same clamp, on the q axis
+
+    def q_map(b, hk, j, g, i, q_lengths, kv_lengths, offsets=None):  # Q_i, dO_i, lse_i, D_i
+        return (b, hk * G + g, q_block(b, j, i, q_lengths, kv_lengths, offsets), 0)
+
+    def kv_map(b, hk, j, g, i, q_lengths, kv_lengths, offsets=None):  # K_j, V_j, dK_j, dV_j
+        return (b, hk, j, 0)
+
+    def scores_map_for(bcast):
+        def scores_map(b, hk, j, g, i, q_lengths, kv_lengths, offsets=None):
+            return (0 if bcast[0] else b, 0 if bcast[1] else hk * G + g,
+                    q_block(b, j, i, q_lengths, kv_lengths, offsets), j)
+        return scores_map
+
+    def qseg_map(b, hk, j, g, i, q_lengths, kv_lengths, offsets=None):
+        return (b, q_block(b, j, i, q_lengths, kv_lengths, offsets), 0)
+
+    def kvseg_map(b, hk, j, g, i, q_lengths, kv_lengths, offsets=None):
+        return (b, 0, j)
+
+    names, specs, shapes = _q_side_operands(cfg, q_map, kv_map, scores_map_for, qseg_map,
+                                            kvseg_map, transposed=True)
+    sds = jax.ShapeDtypeStruct
+    B, K = cfg.batch, cfg.num_kv_heads
+    out_specs = (pl.BlockSpec((None, None, bk, Dp), kv_map),
+                 pl.BlockSpec((None, None, bk, Dvp), kv_map))
+    out_shapes = (sds((B, K, Sp, Dp), cfg.dtype), sds((B, K, Sp, Dvp), cfg.dtype))
+    out_names = ("dk", "dv")
+    if fused:                        # every (b, h, j, i) block written once: unclamped i
+        def dq_part_map(b, hk, j, g, i, *_):
+            return (b, hk * G + g, j, i, 0)
+        out_names += ("dq_part",)
+        out_specs += (pl.BlockSpec((None, None, None, cfg.block_q, Dp), dq_part_map),)
+        out_shapes += (sds((B, cfg.num_heads, cfg.num_kv_blocks, cfg.q_len_p, Dp),
+                           jnp.float32),)
+    scratch = (compat.VMEM((bk, Dp), jnp.float32), compat.VMEM((bk, Dvp), jnp.float32))
+    return BackwardGridSpec(
+        config=cfg, grid=(B, K, cfg.num_kv_blocks, G, cfg.num_q_blocks),
+        in_names=tuple(names), in_specs=tuple(specs), in_shapes=tuple(shapes),
+        out_names=out_names, out_specs=out_specs, out_shapes=out_shapes,
+        scratch_shapes=scratch,
+        dimension_semantics=("parallel", "parallel", "parallel", "arbitrary", "arbitrary"),
+        name="flashlab_flash_backward_dkdv" + ("_fused" if fused else ""),
+        prefetch_names=prefetch_names(cfg), scratch_names=("dk_acc", "dv_acc"))
+
+
+def dq_grid_spec(cfg: ForwardConfig, with_dbias: bool = True) -> BackwardGridSpec:
+    """The dQ kernel: the forward's grid ``(b, h, i, j)``, plus a dS output for dBias.
+
+    The dS output ``[B, N, T, S]`` float32 exists only with a full-shape bias that is
+    differentiated (``with_dbias``; a constant bias, e.g. ALiBi, gets none; a bias broadcast
+    over batch or heads gets :func:`dbias_grid_spec` instead).
+    """
+    bq, bk = cfg.block_q, cfg.block_k
+    B, N, Tp, Sp, Dp = cfg.batch, cfg.num_heads, cfg.q_len_p, cfg.kv_len_p, cfg.head_dim_p
+    base = forward_grid.index_maps(cfg)                         # the forward's grid and maps
+    maps = forward_grid.IndexMaps(_static_maps(cfg, base.q), _static_maps(cfg, base.kv),
+                         lambda bc: _static_maps(cfg, base.scores_for(bc)),
+                         _static_maps(cfg, base.q_seg), _static_maps(cfg, base.kv_seg))
+
+    def ds_map(b, h, i, j, q_lengths, kv_lengths, offsets=None):  # every block written
+        return (b, h, i, j)
+
+    names, specs, shapes = _q_side_operands(cfg, maps.q, maps.kv, maps.scores_for, maps.q_seg,
+                                            maps.kv_seg)
+    sds = jax.ShapeDtypeStruct
+    out_names, out_specs = ["dq"], [pl.BlockSpec((None, None, bq, Dp), maps.q)]
+    out_shapes = [sds((B, N, Tp, Dp), cfg.dtype)]
+    if _full_bias(cfg) and with_dbias:
+        out_names.append("ds")
+        out_specs.append(pl.BlockSpec((None, None, bq, bk), ds_map))
+        out_shapes.append(sds((B, N, Tp, Sp), jnp.float32))
+    return BackwardGridSpec(
+        config=cfg, grid=cfg.grid, in_names=tuple(names), in_specs=tuple(specs),
+        in_shapes=tuple(shapes), out_names=tuple(out_names), out_specs=tuple(out_specs),
+        out_shapes=tuple(out_shapes), scratch_shapes=(compat.VMEM((bq, Dp), jnp.float32),),
+        name="flashlab_flash_backward_dq", prefetch_names=prefetch_names(cfg),
+        scratch_names=("dq_acc",))
+
+
+def _full_bias(cfg: ForwardConfig) -> bool:
+    """A bias of the scores' full shape ``[B, N, T, S]``: its gradient is dS itself."""
+    return cfg.bias_bcast is not None and not any(cfg.bias_bcast)
+
+
+def backward_grid_specs(cfg: ForwardConfig, with_dbias: bool = True
+                        ) -> dict[str, BackwardGridSpec]:
+    """``{"dkdv": ..., "dq": ...[, "dbias": ...]}``: the backward kernels' grids, in the order
+    they run (``dbias`` only for a differentiated bias broadcast over batch or heads)."""
+    out = {"dkdv": dkdv_grid_spec(cfg), "dq": dq_grid_spec(cfg, with_dbias)}
+    if with_dbias and cfg.bias_bcast is not None and any(cfg.bias_bcast):
+        out["dbias"] = dbias_grid_spec(cfg)
+    return out
+
+
+def _dbias_order(cfg: ForwardConfig) -> tuple[str, ...]:
+    """Grid axes of the dBias kernel: the bias's own axes, then its broadcast ones innermost."""
+    bcast = dict(zip("bh", cfg.bias_bcast))
+    return tuple(a for a in "bh" if not bcast[a]) + ("i", "j") + tuple(
+        a for a in "bh" if bcast[a])
+
+
+def dbias_grid_spec(cfg: ForwardConfig) -> BackwardGridSpec:
+    """The dBias kernel, for a bias broadcast over batch and/or heads (``[1|B, 1|N, T, S]``;
+    also a full-shape one under the fused backward, which has no dQ kernel to write dS).
+
+    dBias_ij = Σ over the broadcast (b, h) of dS_ij, accumulated in the float32 output block
+    itself: the grid is the bias's own axes, then ``(i, j)``, then the broadcast axes, which
+    are innermost and "arbitrary", so the block stays resident while they run and no
+    ``[B, N, T, S]`` array is ever made. Each step recomputes S and dP (two matmuls).
+    """
+    order = _dbias_order(cfg)
+    sizes = dict(b=cfg.batch, h=cfg.num_heads, i=cfg.num_q_blocks, j=cfg.num_kv_blocks)
+    maps = forward_grid.index_maps(cfg)
+
+    def bhij(f):                            # a (b, h, i, j) map on this grid's order
+        def m(*idx):
+            ax = dict(zip(order, idx[:4]))
+            return f(ax["b"], ax["h"], ax["i"], ax["j"], *idx[4:])
+        return m
+
+    def dbias_map(b, h, i, j, *_):
+        return (0 if cfg.bias_bcast[0] else b, 0 if cfg.bias_bcast[1] else h, i, j)
+
+    names, specs, shapes = _q_side_operands(
+        cfg, bhij(maps.q), bhij(maps.kv), lambda bc: bhij(maps.scores_for(bc)),
+        bhij(maps.q_seg), bhij(maps.kv_seg))
+    bias_shape = forward_grid.mask_operands(cfg, maps.scores_for, maps.q_seg, maps.kv_seg)[2][0].shape
+    n_bc = sum(cfg.bias_bcast)     # 0: a full-shape bias (fused backward), all parallel
+    return BackwardGridSpec(
+        config=cfg, grid=tuple(sizes[a] for a in order), in_names=tuple(names),
+        in_specs=tuple(specs), in_shapes=tuple(shapes), out_names=("dbias",),
+        out_specs=(pl.BlockSpec((None, None, cfg.block_q, cfg.block_k), bhij(dbias_map)),),
+        out_shapes=(jax.ShapeDtypeStruct(bias_shape, jnp.float32),), scratch_shapes=(),
+        dimension_semantics=("parallel",) * (4 - n_bc) + ("arbitrary",) * n_bc,
+        name="flashlab_flash_backward_dbias", prefetch_names=prefetch_names(cfg))

@@ -1,0 +1,174 @@
+"""The forward kernel's static configuration: what one call needs decided before tracing.
+
+:func:`make_config` turns a validated :class:`~flashlab.contract.masks.AttentionSpec` into a
+hashable :class:`ForwardConfig`: blocks (:func:`flashlab.kernels.blocks.choose_block_sizes`,
+the per-chip table first), padded sizes, which masks and scalar-prefetch operands the kernel
+needs, and the dense or visit grid. The backward (:func:`flashlab.kernels.backward_grid.make_backward_config`)
+reuses it with its own blocks.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from flashlab.contract.masks import AttentionSpec
+from flashlab.kernels import blocks as blk
+from flashlab.kernels import visit
+
+
+
+__all__ = ["ForwardConfig", "SUPPORTED_DTYPES", "block_kwargs", "make_config"]
+
+SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardConfig:
+    """Every static fact the forward kernel is built from (hashable: a jit static argument).
+
+    Sizes are the *padded* ones the kernel sees (``q_len_p = T_r * block_q`` and so on);
+    ``q_len``/``kv_len`` are the caller's. ``bias_bcast``/``mask_bcast`` say whether the
+    batch and head dims of bias/mask are full (False) or 1 (True).
+    """
+
+    batch: int
+    num_heads: int
+    num_kv_heads: int
+    q_len: int
+    kv_len: int
+    head_dim: int
+    head_dim_v: int
+    block_q: int
+    block_k: int
+    dtype: Any
+    scale: float
+    is_causal: bool = False
+    window: tuple[int | None, int | None] | None = None
+    soft_cap: float | None = None
+    bias_dtype: Any = None
+    bias_bcast: tuple[bool, bool] | None = None
+    mask_bcast: tuple[bool, bool] | None = None
+    has_segments: bool = False
+    mask_q_len: bool = False        # query_seq_lengths given: rows past it are masked
+    mask_kv_len: bool = False       # kv lengths given or kv padding: keys past it are masked
+    return_lse: bool = False
+    has_offsets: bool = False       # q/kv offsets: a third scalar-prefetch operand [2] int32
+    chip: str | None = None         # the TPU generation the blocks and VMEM limit are for
+    has_sinks: bool = False         # sinks [Hq]: merged into each row's state at finalize
+    visit_grid: bool = False        # grid (B, H, n) over the visible blocks (kernels/visit.py)
+
+    @property
+    def group_size(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def q_len_p(self) -> int:
+        return blk.round_up(self.q_len, self.block_q)
+
+    @property
+    def kv_len_p(self) -> int:
+        return blk.round_up(self.kv_len, self.block_k)
+
+    @property
+    def head_dim_p(self) -> int:
+        return blk.lane_pad(self.head_dim)
+
+    @property
+    def head_dim_v_p(self) -> int:
+        return blk.lane_pad(self.head_dim_v)
+
+    @property
+    def num_q_blocks(self) -> int:
+        return self.q_len_p // self.block_q
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.kv_len_p // self.block_k
+
+    @property
+    def grid(self) -> tuple[int, int, int, int]:
+        """The dense grid ``(B, H, T_r, T_c)`` (the backward's dQ kernel runs it too)."""
+        return (self.batch, self.num_heads, self.num_q_blocks, self.num_kv_blocks)
+
+    def visits(self) -> np.ndarray:
+        """The packed visit list ``int32 [n]`` of the visit grid (:mod:`.visit`)."""
+        return visit.visit_table(num_q_blocks=self.num_q_blocks,
+                                 num_kv_blocks=self.num_kv_blocks, q_len=self.q_len,
+                                 kv_len=self.kv_len, block_q=self.block_q,
+                                 block_k=self.block_k, is_causal=self.is_causal,
+                                 window=self.window)
+
+
+def block_kwargs(spec: AttentionSpec) -> dict:
+    """What block-size choice and the VMEM check need to know of ``spec``, forward and backward:
+    ``head_dim_v``, ``bias_dtype`` (the bias as the kernels read it: its own dtype if the
+    kernels support it, else float32, converted in the wrapper), ``has_mask``, ``has_segments``."""
+    bias_dtype = None
+    if spec.bias is not None:
+        bias_dtype = jnp.dtype(spec.bias.dtype)
+        if bias_dtype not in SUPPORTED_DTYPES:
+            bias_dtype = jnp.dtype(jnp.float32)
+    return dict(head_dim_v=spec.head_dim_v, bias_dtype=bias_dtype,
+                has_mask=spec.mask is not None, has_segments=spec.q_segment_ids is not None)
+
+
+def make_config(spec: AttentionSpec, *, block_q=None, block_k=None, return_lse=False,
+                chip=None, visit_grid: bool | None = None) -> ForwardConfig:
+    """Build (and check) the kernel configuration for a validated request.
+
+    ``chip``: the TPU generation to size blocks and the VMEM limit for; ``None`` reads the
+    compile target (:func:`flashlab.kernels.blocks.resolve_chip`: explicit ``chip`` wins).
+    ``visit_grid``: run the forward over the visible blocks only (:mod:`.visit`); ``None``
+    (default) does so when that removes grid steps (causal, window, padding) and the request
+    has no offsets (traced offsets move the visible set at run time), ``False`` keeps the
+    dense grid; ``True`` where it is impossible raises ``ValueError``.
+    """
+    chip = blk.resolve_chip(chip)
+    dt = jnp.dtype(spec.dtype)
+    if dt not in SUPPORTED_DTYPES:
+        raise TypeError(f"query: the Pallas TPU kernel supports float32 and bfloat16, got {dt}")
+    kw = dict(block_kwargs(spec), return_lse=return_lse)
+    bias_dtype = kw["bias_dtype"]
+    auto_q, auto_k = blk.choose_block_sizes(spec.q_len, spec.kv_len, spec.head_dim, dt, chip,
+                                            is_causal=spec.is_causal, **kw)
+    block_q = auto_q if block_q is None else block_q
+    block_k = auto_k if block_k is None else block_k
+    blk.check_block_sizes(block_q, block_k, head_dim=spec.head_dim, dtype=dt, chip=chip, **kw)
+    bcast = lambda a: None if a is None else (a.shape[0] == 1 and spec.batch > 1,  # noqa: E731
+                                              a.shape[1] == 1 and spec.num_heads > 1)
+    cfg = ForwardConfig(
+        batch=spec.batch, num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
+        q_len=spec.q_len, kv_len=spec.kv_len, head_dim=spec.head_dim,
+        head_dim_v=spec.head_dim_v, block_q=int(block_q), block_k=int(block_k), dtype=dt,
+        scale=spec.scale, is_causal=spec.is_causal, window=spec.window,
+        soft_cap=spec.soft_cap, bias_dtype=bias_dtype, bias_bcast=bcast(spec.bias),
+        mask_bcast=bcast(spec.mask), has_segments=spec.q_segment_ids is not None,
+        mask_q_len=spec.q_lengths is not None,
+        mask_kv_len=spec.kv_lengths is not None or blk.round_up(spec.kv_len, int(block_k)) != spec.kv_len,
+        return_lse=return_lse, has_offsets=spec.has_offsets, chip=chip,
+        has_sinks=spec.sinks is not None)
+    return dataclasses.replace(cfg, visit_grid=_use_visit_grid(cfg, visit_grid))
+
+
+def _use_visit_grid(cfg: ForwardConfig, want: bool | None) -> bool:
+    if want is not None and not isinstance(want, bool):
+        raise TypeError(f"visit_grid: expected None, True or False, got {want!r}")
+    if want is False:
+        return False
+    why = None
+    if cfg.has_offsets:
+        why = "the request has q/kv offsets (traced: the visible set is known only at run time)"
+    else:
+        n = len(cfg.visits())
+        if n > visit.MAX_VISITS:
+            why = f"{n} visits per (batch, head) exceed visit.MAX_VISITS={visit.MAX_VISITS}"
+        elif want is None and n >= cfg.num_q_blocks * cfg.num_kv_blocks:
+            return False                     # nothing skipped: the dense grid is as short
+    if why is not None:
+        if want:
+            raise ValueError(f"visit_grid=True: not possible here: {why}")
+        return False
+    return True
