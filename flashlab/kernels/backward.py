@@ -39,7 +39,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flashlab.contract import masks
 from flashlab.contract.masks import AttentionSpec
 from flashlab.compat import pallas as compat
 from flashlab.kernels import blocks as blk
@@ -70,10 +69,9 @@ def _tile(ins, cfg: ForwardConfig, q_start, k_start, q_len, kv_len, *, transpose
     One mask definition: :func:`masks.structural_visible` on (transposed) positions.
     """
     q, k, v, do = ins["q"][...], ins["k"][...], ins["v"][...], ins["do"][...]
-    bq, bk, L = cfg.block_q, cfg.block_k, blk.LANES
+    bk, L = cfg.block_k, blk.LANES
     nt = (((1,), (1,)), ((), ()))                                 # A Bᵀ
     orient = (lambda x: x.T) if transposed else (lambda x: x)     # noqa: E731
-    shape, q_axis = ((bk, bq), 1) if transposed else ((bq, bk), 0)
     s = jax.lax.dot_general(*((k, q) if transposed else (q, k)), nt,
                             preferred_element_type=jnp.float32)
     t = None
@@ -84,24 +82,8 @@ def _tile(ins, cfg: ForwardConfig, q_start, k_start, q_len, kv_len, *, transpose
         s = (cfg.soft_cap * LOG2E) * t
     if "bias" in ins:
         s = s + orient(ins["bias"][...].astype(jnp.float32)) * LOG2E
-    q_pos = q_start + jax.lax.broadcasted_iota(jnp.int32, shape, q_axis)
-    k_pos = k_start + jax.lax.broadcasted_iota(jnp.int32, shape, 1 - q_axis)
-    q_seg = kv_seg = None
-    if cfg.has_segments and transposed:
-        q_seg = ins["q_segment_ids_t"][...][:1, :]                            # [1, B_r]
-        kv_seg = jnp.tile(ins["kv_segment_ids_t"][...], (1, bq // L))         # [B_c, B_r]
-    elif cfg.has_segments:
-        q_seg = jnp.tile(ins["q_segment_ids"][...], (1, bk // L))             # [B_r, B_c]
-        kv_seg = ins["kv_segment_ids"][...][:1, :]                            # [1, B_c]
-    visible = masks.structural_visible(
-        q_pos, k_pos, is_causal=cfg.is_causal, window=cfg.window,
-        q_len=q_len if cfg.mask_q_len else None,
-        kv_len=kv_len if cfg.mask_kv_len else None, q_seg=q_seg, kv_seg=kv_seg)
-    if "mask" in ins:
-        mask = ins["mask"][...]                                   # [B_r, B_c] int8
-        if transposed or blk.resolve_chip(cfg.chip) in blk.NO_INT8_VPU:
-            mask = mask.astype(jnp.int32)                         # Mosaic: no int8 compare on v4
-        visible = jnp.logical_and(visible, orient(mask) != 0)
+    visible = fwd.tile_visible(ins, cfg, q_start, k_start, q_len, kv_len,
+                               transposed=transposed)
     if transposed:
         lse, di = ins["stats_t"][LSE_ROW:LSE_ROW + 1, :], ins["stats_t"][D_ROW:D_ROW + 1, :]
     else:

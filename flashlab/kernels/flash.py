@@ -18,7 +18,6 @@ from flashlab.contract.masks import AttentionSpec
 from flashlab.kernels import backward
 from flashlab.kernels import backward_grid
 from flashlab.kernels import forward as fwd
-from flashlab.kernels import forward_grid
 from flashlab.kernels import forward_config
 from flashlab.ladder import online_softmax
 

@@ -49,11 +49,9 @@ def score_tile(ins, cfg: ForwardConfig, q_start, k_start, q_len, kv_len):
     """One ``[B_r, B_c]`` tile of logits and its visibility, from the operand refs ``ins``.
 
     ``s = cap·tanh(scale·Q_i K_jᵀ / cap) + bias`` in float32, and the one mask definition
-    (:func:`masks.structural_visible` on iota positions, and the dense mask). Shared by the
-    forward and both backward kernels; also returns ``tanh(·)`` (``None`` without a soft cap)
+    (:func:`tile_visible`). Also returns ``tanh(·)`` (``None`` without a soft cap)
     for the soft cap's gradient.
     """
-    bq, bk = cfg.block_q, cfg.block_k
     s = jax.lax.dot_general(ins["q"][...], ins["k"][...], (((1,), (1,)), ((), ())),  # Q Kᵀ
                             preferred_element_type=jnp.float32) * cfg.scale
     t = None
@@ -62,11 +60,28 @@ def score_tile(ins, cfg: ForwardConfig, q_start, k_start, q_len, kv_len):
         s = cfg.soft_cap * t
     if "bias" in ins:
         s = s + ins["bias"][...].astype(jnp.float32)
-    q_pos = q_start + jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
-    k_pos = k_start + jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
+    return s, t, tile_visible(ins, cfg, q_start, k_start, q_len, kv_len)
+
+
+def tile_visible(ins, cfg: ForwardConfig, q_start, k_start, q_len, kv_len, *,
+                 transposed: bool = False):
+    """Which scores of one tile are visible: bool ``[B_r, B_c]`` (``[B_c, B_r]`` when
+    ``transposed``, the dK/dV kernel's ``Sᵀ``), from the operand refs ``ins``.
+
+    The one mask definition (:func:`masks.structural_visible` on iota positions, at global
+    positions ``q_start``/``k_start``), the segment ids and the dense mask. Shared by the
+    forward and the three backward kernels.
+    """
+    bq, bk, L = cfg.block_q, cfg.block_k, blk.LANES
+    shape, q_axis = ((bk, bq), 1) if transposed else ((bq, bk), 0)
+    q_pos = q_start + jax.lax.broadcasted_iota(jnp.int32, shape, q_axis)
+    k_pos = k_start + jax.lax.broadcasted_iota(jnp.int32, shape, 1 - q_axis)
     q_seg = kv_seg = None
-    if cfg.has_segments:
-        q_seg = jnp.tile(ins["q_segment_ids"][...], (1, bk // blk.LANES))   # [B_r, B_c]
+    if cfg.has_segments and transposed:
+        q_seg = ins["q_segment_ids_t"][...][:1, :]                          # [1, B_r]
+        kv_seg = jnp.tile(ins["kv_segment_ids_t"][...], (1, bq // L))       # [B_c, B_r]
+    elif cfg.has_segments:
+        q_seg = jnp.tile(ins["q_segment_ids"][...], (1, bk // L))           # [B_r, B_c]
         kv_seg = ins["kv_segment_ids"][...][:1, :]                          # [1, B_c]
     visible = masks.structural_visible(
         q_pos, k_pos, is_causal=cfg.is_causal, window=cfg.window,
@@ -74,10 +89,10 @@ def score_tile(ins, cfg: ForwardConfig, q_start, k_start, q_len, kv_len):
         kv_len=kv_len if cfg.mask_kv_len else None, q_seg=q_seg, kv_seg=kv_seg)
     if "mask" in ins:
         mask = ins["mask"][...]                                             # [B_r, B_c] int8
-        if blk.resolve_chip(cfg.chip) in blk.NO_INT8_VPU:   # Mosaic: no int8 compare on v4
-            mask = mask.astype(jnp.int32)
-        visible = jnp.logical_and(visible, mask != 0)
-    return s, t, visible
+        if transposed or blk.resolve_chip(cfg.chip) in blk.NO_INT8_VPU:
+            mask = mask.astype(jnp.int32)           # Mosaic: no int8 compare (v4), transpose
+        visible = jnp.logical_and(visible, (mask.T if transposed else mask) != 0)
+    return visible
 
 
 def _forward_kernel(*refs, cfg: ForwardConfig, names: RefNames):
