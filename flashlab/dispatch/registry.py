@@ -64,9 +64,8 @@ class Backend:
       check: extra constraint beyond the declaration: ``check(spec) -> reason or None``.
       interpret_kind: what "interpret" means for it (for ``explain``).
       autodiff: derivatives beyond first-order reverse mode
-      (``flashlab.contract.autodiff.FEATURES``:
-        ``"forward_mode"`` for ``jax.jvp``/``jacfwd``, ``"second_order"`` for grad of grad
-        and ``jax.hessian``), seen at dispatch by :func:`flashlab.contract.autodiff.requested`.
+        (``flashlab.contract.autodiff.FEATURES``: ``"forward_mode"`` for ``jax.jvp``/``jacfwd``,
+        ``"second_order"`` for grad of grad and ``jax.hessian``), seen at dispatch by :func:`flashlab.contract.autodiff.requested`.
     """
 
     name: str

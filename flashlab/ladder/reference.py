@@ -38,7 +38,7 @@ def naive_attention(query, key, value, bias=None, mask=None, *, scale=None, is_c
       sinks: optional float ``[heads]``: a per-head logit in every row's softmax
         denominator that takes no value (``l = exp(sink) + sum_j exp(s_ij)``).
       q_offset, kv_offset: global positions of query 0 / key 0 (see
-      :mod:`flashlab.contract.masks`).
+        :mod:`flashlab.contract.masks`).
 
     Returns:
       ``[batch, q_seq, heads, head_dim]`` in the query's dtype. A query row with no visible
