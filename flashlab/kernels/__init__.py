@@ -2,12 +2,20 @@
 
 - :mod:`~flashlab.kernels.flash`: ``flash_attention``, the forward and backward kernels joined
   by ``jax.custom_vjp``.
-- :mod:`~flashlab.kernels.forward` (chapter 05), :mod:`~flashlab.kernels.backward` (chapter
-  07), :mod:`~flashlab.kernels.decode` (chapter 12): the kernels and their grid specs.
-- :mod:`~flashlab.kernels.blocks`: block sizes, VMEM budgets, per-chip facts.
+- The forward (chapter 05): :mod:`~flashlab.kernels.forward_config` (the static
+  ``ForwardConfig``), :mod:`~flashlab.kernels.forward_grid` (grid, BlockSpecs, index maps),
+  :mod:`~flashlab.kernels.visit` (the grid over visible blocks only),
+  :mod:`~flashlab.kernels.forward` (the kernel and its call).
+- The backward (chapter 07): :mod:`~flashlab.kernels.backward_grid` and
+  :mod:`~flashlab.kernels.backward` (dK/dV, dQ and dBias kernels).
+- Decode (chapter 12): :mod:`~flashlab.kernels.decode_grid` and :mod:`~flashlab.kernels.decode`.
+- Block sizes: :mod:`~flashlab.kernels.blocks` (VMEM budgets, ranges, per-chip facts),
+  :mod:`~flashlab.kernels.tuned_blocks` (the static bench's winners as data),
+  :mod:`~flashlab.kernels.tiling` (the (8, 128) arithmetic); :mod:`~flashlab.kernels.refs`
+  names a kernel's refs.
 - :mod:`~flashlab.kernels.examples`, :mod:`~flashlab.kernels.minimal`: chapter 04's first
   kernels; :mod:`~flashlab.kernels.gpu_style`: chapter 08's GPU-habit port;
-  :mod:`~flashlab.kernels.replay`: the pipeline replay the traffic model reads.
+  :mod:`~flashlab.kernels.replay`: the pipeline replay the figures read.
 
 ``flash_attention`` compiles with Mosaic on a TPU and runs in Pallas interpret mode elsewhere.
 Every Pallas import goes through :mod:`flashlab.compat.pallas`. Imports compat, contract and
