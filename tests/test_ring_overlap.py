@@ -6,10 +6,10 @@ ASYNC = """HloModule m
 %body (p: (s32[], f32[4])) -> (s32[], f32[4]) {
   %p = (s32[], f32[4]) parameter(0)
   %x = f32[4]{0} get-tuple-element(%p), index=1
-  %start = (f32[4]{0}, f32[4]{0}) collective-permute-start(%x), channel_id=1,
-  source_target_pairs={{0,1},{1,0}} %conditional.1 = (f32[4]{0}) conditional(%pred, %x, %x),
-  true_computation=%a, false_computation=%b %fusion.2 = f32[4]{0} fusion(%conditional.1),
-  kind=kLoop, calls=%f %done = f32[4]{0} collective-permute-done(%start)
+  %start = (f32[4]{0}, f32[4]{0}) collective-permute-start(%x), channel_id=1, source_target_pairs={{0,1},{1,0}}
+  %conditional.1 = (f32[4]{0}) conditional(%pred, %x, %x), true_computation=%a, false_computation=%b
+  %fusion.2 = f32[4]{0} fusion(%conditional.1), kind=kLoop, calls=%f
+  %done = f32[4]{0} collective-permute-done(%start)
   ROOT %t = (s32[], f32[4]) tuple(%i, %done)
 }
 
