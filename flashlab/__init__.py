@@ -23,6 +23,8 @@ The package, by role. Each subpackage may import only from those above it in thi
 - ``viz``, ``widgets``: the book's figures and interactive widgets.
 - ``benchmarks``: the ``python -m flashlab bench ...`` command lines.
 """
+import sys
+
 from flashlab import compat, contract, dispatch, instruments, kernels, ladder, scale, serving
 from flashlab.contract.masks import AttentionSpec, validate
 from flashlab.dispatch.api import as_flax_attention_fn, attention, explain
@@ -34,6 +36,12 @@ from flashlab.scale.distributed import sharded_attention
 from flashlab.scale.ring import ring_attention
 from flashlab.serving.decode import decode_attention
 from flashlab.serving.kv_cache import KVCache
+
+# ``flashlab.tpu_compile`` is the name the book and issue 16 use for the real TPU compiler on
+# CPU; its code lives in ``instruments`` with the other measuring tools. One module object
+# under both names (``import flashlab.tpu_compile`` works too); importing it loads no libtpu.
+tpu_compile = instruments.tpu_compile
+sys.modules[__name__ + ".tpu_compile"] = tpu_compile
 
 __version__ = "0.1.0"
 
@@ -56,6 +64,8 @@ __all__ = [
     "decode_attention", "KVCache",
     # subpackages
     "compat", "contract", "ladder", "kernels", "dispatch", "serving", "scale", "instruments",
+    # the real TPU compiler on CPU (chapter 04; an alias of instruments.tpu_compile)
+    "tpu_compile",
     # chapter 11: a document model that reuses the kernel (needs flax; imported on first use)
     "models",
 ]
