@@ -14,6 +14,11 @@ The JAX-range legs check both ends of the supported range in pyproject.toml
 HIGH, with libtpu) each run the ``compat`` tests (tests/test_compat.py); the newest leg also
 compiles the base row of the TPU compile matrix with the newest TPU compiler. A missing Python >= 3.12 skips
 the newest leg with a printed message; set FLASHLAB_NEWEST_PYTHON to choose the interpreter.
+
+Wall time on a 2-core machine is what CI pays, so two stages run in the background: the legs'
+venvs are built (downloads, mostly) while the unit tests hold the CPUs, and the book (stored
+outputs, no execution) builds while nbval re-executes the notebooks. Their output is printed
+when they are collected, and a failure there fails the run like any other stage.
 """
 from __future__ import annotations
 
@@ -33,12 +38,44 @@ BIN = VENV / "bin"
 PY = BIN / "python"
 
 
-def sh(*cmd, ok=(0,), env=None) -> int:
-    print("+", " ".join(str(c) for c in cmd), flush=True)
-    rc = subprocess.call([str(c) for c in cmd], cwd=ROOT, env=env)
+def sh(*cmd, ok=(0,), env=None, log=None) -> int:
+    """Run ``cmd`` in the repository; ``log``: an open file for its output (a background
+    stage writes there, so its lines do not interleave with the foreground's)."""
+    print("+", " ".join(str(c) for c in cmd), flush=True, file=log or sys.stdout)
+    rc = subprocess.call([str(c) for c in cmd], cwd=ROOT, env=env, stdout=log,
+                         stderr=subprocess.STDOUT if log else None)
     if rc not in ok:
+        if log is not None:
+            raise RuntimeError(f"command failed with exit code {rc}: {' '.join(map(str, cmd))}")
         sys.exit(f"dev.py: command failed with exit code {rc}: {' '.join(map(str, cmd))}")
     return rc
+
+
+class Background:
+    """A stage run in a thread while the foreground uses the CPUs (pip downloads, the book
+    build): its output goes to ``log_path`` and is printed when :meth:`join` collects it."""
+
+    def __init__(self, name: str, fn, *args):
+        import threading
+        self.name, self.log_path = name, ROOT / f".ci-{name}.log"
+        self.result, self.error = None, None
+
+        def run():
+            with open(self.log_path, "w") as log:
+                try:
+                    self.result = fn(*args, log=log)
+                except BaseException as e:  # noqa: BLE001 (SystemExit too): join() re-raises
+                    self.error = e
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+
+    def join(self):
+        self.thread.join()
+        print(f"----- {self.name} (ran in the background; log {self.log_path.name}) -----")
+        print(self.log_path.read_text(), end="", flush=True)
+        if self.error is not None:
+            sys.exit(f"dev.py: {self.name} failed: {self.error}")
+        return self.result
 
 
 def ensure_venv() -> None:
@@ -68,10 +105,10 @@ def env() -> dict:
     return e
 
 
-def build_book() -> Path:
+def build_book(log=None) -> Path:
     # Renders the notebooks from their stored outputs (no execution); warnings are errors.
     sh(BIN / "jupyter-book", "build", "book", "--warningiserror", "--nitpick", "--keep-going",
-       env=env())
+       env=env(), log=log)
     html = ROOT / "book" / "_build" / "html"
     check_launch_links(html)
     return html / "index.html"
@@ -103,7 +140,9 @@ COMPAT_TESTS = ("tests/test_compat.py", "-m", "compat")
 # The newest leg also installs libtpu (jax[tpu]) and compiles the base row of the TPU compile
 # matrix (forward + both backward kernels, 5 chips x default/largest blocks) with the newest
 # compiler: the one TPU users get today. The full matrix runs in .venv (tests/).
-NEWEST_TPU_TESTS = ("tests/test_tpu_compile_matrix.py", "-k", "base", "-m", "tpu_compile")
+NEWEST_TPU_TESTS = ("tests/test_tpu_compile_matrix.py", "-k", "base", "-m", "tpu_compile",
+                    "-n", "2")                  # 10 compiles of ~40 s each: one per core
+LEG_TEST_DEPS = ("pytest>=8", "pytest-xdist>=3", "hypothesis>=6.100")
 
 
 def jax_range() -> tuple[str, str]:
@@ -141,25 +180,25 @@ def newest_python() -> str | None:
     return None
 
 
-def compat_venv(venv: Path, python: str, jax_spec: list[str]) -> Path:
+def compat_venv(venv: Path, python: str, jax_spec: list[str], log=None) -> Path:
     """A venv with flashlab (editable), ``jax_spec``, pytest and hypothesis; reused if unchanged."""
     py = venv / "bin" / "python"
     stamp = hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + " ".join(
-        [python, *jax_spec]).encode()).hexdigest()
+        [python, *jax_spec, *LEG_TEST_DEPS]).encode()).hexdigest()
     stamp_file = venv / ".flashlab-stamp"
     if py.exists() and stamp_file.exists() and stamp_file.read_text() == stamp:
         return py
     if venv.exists():
         shutil.rmtree(venv)
-    sh(python, "-m", "venv", venv)
-    sh(py, "-m", "pip", "install", "-q", "--upgrade", "pip")
-    sh(py, "-m", "pip", "install", "-q", "-e", ".", *jax_spec, "pytest>=8", "hypothesis>=6.100")
+    sh(python, "-m", "venv", venv, log=log)
+    sh(py, "-m", "pip", "install", "-q", "--upgrade", "pip", log=log)
+    sh(py, "-m", "pip", "install", "-q", "-e", ".", *jax_spec, *LEG_TEST_DEPS, log=log)
     stamp_file.write_text(stamp)
     return py
 
 
-def compat_legs() -> list[str]:
-    """Run the compat tests at both ends of the supported JAX range; returns a summary."""
+def leg_specs() -> list[tuple[str, Path, str, list[str]]]:
+    """``(name, venv, python, pip spec)`` of the JAX-range legs this machine can run."""
     low, high = jax_range()
     legs = [("oldest", ROOT / ".venv-jax-oldest", sys.executable,
              [f"jax=={low}", f"jaxlib=={low}"])]
@@ -170,10 +209,23 @@ def compat_legs() -> list[str]:
               f"releases after 0.10 need Python >= 3.12; only jax=={low} is checked.", flush=True)
     else:
         legs.append(("newest", ROOT / ".venv-jax-newest", newest, [f"jax[tpu]<{high}"]))
+    return legs
+
+
+def build_leg_venvs(legs, log=None) -> None:
+    # Mostly downloads and unpacking: run while the unit tests hold the CPUs.
+    for name, venv, python, spec in legs:
+        t0 = time.time()
+        compat_venv(venv, python, spec, log=log)
+        print(f"dev.py: {name} leg venv ready in {time.time() - t0:.0f} s", file=log, flush=True)
+
+
+def compat_legs(legs) -> list[str]:
+    """Run the compat tests at both ends of the supported JAX range; returns a summary."""
     summary = []
     for name, venv, python, spec in legs:
         t0 = time.time()
-        py = compat_venv(venv, python, spec)
+        py = compat_venv(venv, python, spec)          # built already: only checks its stamp
         ver = subprocess.run([str(py), "-c", "import jax, sys; print(jax.__version__, "
                               "'python', sys.version.split()[0])"],
                              capture_output=True, text=True, cwd=ROOT).stdout.strip()
@@ -186,7 +238,7 @@ def compat_legs() -> list[str]:
             pytest(*NEWEST_TPU_TESTS, "-q", "-p", "no:cacheprovider", py=py, environ=e)
             what += " and the TPU compile matrix's base row"
         summary.append(f"{name} leg: jax {ver}: {what} passed in {time.time() - t0:.0f} s")
-    if newest is None:
+    if not any(name == "newest" for name, *_ in legs):
         summary.append("newest leg: SKIPPED (no Python >= 3.12)")
     return summary
 
@@ -196,18 +248,27 @@ def main(argv: list[str]) -> None:
         sys.exit(__doc__)
     t0 = time.time()
     ensure_venv()
-    legs = []
+    summary = []
     if argv[0] == "test":
+        legs = leg_specs()
+        venvs = Background("leg-venvs", build_leg_venvs, legs)
         # worksteal: idle workers take queued tests from busy ones (the suite ends with a few
         # long interpreted-kernel tests); the 30 slowest are listed so CI time stays visible.
         pytest("tests", "-n", "2", "--dist", "worksteal", "-q", "--durations=30")
-        legs = compat_legs()
+        print(f"dev.py: unit tests finished at {time.time() - t0:.0f} s", flush=True)
+        venvs.join()
+        summary = compat_legs(legs)
+        # The book renders stored outputs (no execution), so it builds while nbval re-executes
+        # the notebooks, on the core nbval's last long notebook leaves idle.
+        book = Background("book", build_book)
         # one notebook per worker (--dist loadfile): a notebook's cells share one kernel
         pytest("--nbval", "--nbval-current-env", "--nbval-sanitize-with",
                "notebooks/sanitize.cfg", "notebooks", "-p", "no:cacheprovider", "-q",
                "-n", "2", "--dist", "loadfile")
-    index = build_book()
-    for line in legs:
+        index = book.join()
+    else:
+        index = build_book()
+    for line in summary:
         print(f"dev.py: {line}")
     print(f"dev.py: {argv[0]} finished in {time.time() - t0:.0f} s")
     print(f"book: {index}")
