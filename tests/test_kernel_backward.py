@@ -152,6 +152,25 @@ def test_fused_backward_option_matches_the_oracle():
         flash_attention_backward(q_, k_, v_, spec, out, lse, jnp.asarray(dout), fused="yes")
 
 
+def test_fused_backward_through_jax_grad():
+    """``flash_attention(..., backward="fused")`` is what ``jax.grad`` runs: the same
+    gradients as the split kernels (to float32 summation order); a bad value is refused."""
+    rng = np.random.default_rng(13)
+    q, k, v = (jnp.asarray(x) for x in random_qkv(rng, 1, 128, 256, 2, 1, 64))
+
+    def grads(backward):
+        loss = lambda q, k, v: jnp.sum(flash_attention(   # noqa: E731
+            q, k, v, is_causal=True, block_q=64, block_k=128, interpret=True,
+            backward=backward) ** 2)
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    for label, f, s in zip(("dq", "dk", "dv"), grads("fused"), grads("split")):
+        scale = float(jnp.abs(s).max())
+        assert float(jnp.abs(f - s).max()) <= F32_RTOL * scale, label
+    with pytest.raises(ValueError, match="backward: expected one of"):
+        flash_attention(q, k, v, backward="fast", interpret=True)
+
+
 def test_fully_masked_rows_have_zero_finite_gradients():
     rng = np.random.default_rng(4)
     B, T, S, N, H = 2, 24, 200, 2, 64

@@ -58,9 +58,10 @@ def _attention_bwd(cfg, bwd_cfg, interpret, residuals, d_out):
     query, key, value, spec, out, lse, flag = residuals
     if isinstance(d_out, jax.custom_derivatives.SymbolicZero):
         d_out = jnp.zeros(d_out.shape, d_out.dtype)
+    bwd_cfg, fused = bwd_cfg                    # (backward config, the fused option): static
     dq, dk, dv, dbias = backward._backward(query, key, value, spec, out, lse, d_out,
                                            cfg=bwd_cfg, interpret=interpret,
-                                           with_dbias=flag is not None)
+                                           with_dbias=flag is not None, fused=fused)
     # The spec's cotangent: dBias for the bias, symbolic zeros (None) for masks and lengths.
     d_spec = jax.tree_util.tree_map(lambda _: None, spec)
     if dbias is not None:
@@ -81,11 +82,17 @@ def _sink_grad(sinks, out, lse, d_out):
     return jnp.sum(d, axis=0).astype(sinks.dtype)
 
 
+BACKWARDS = ("split", "fused")
+
+
 def flash_attention_from_spec(query, key, value, spec: AttentionSpec, *, block_q=None,
-                              block_k=None, interpret=None, chip=None):
+                              block_k=None, interpret=None, chip=None, backward="split"):
     """The forward kernel on already validated inputs (what the backend registry calls)."""
+    if not isinstance(backward, str) or backward not in BACKWARDS:
+        raise ValueError(f"backward: expected one of {BACKWARDS}, got {backward!r}")
     cfg = forward_config.make_config(spec, block_q=block_q, block_k=block_k, chip=chip)
-    bwd_cfg = backward_grid.make_backward_config(spec, block_q=block_q, block_k=block_k, chip=chip)
+    bwd_cfg = (backward_grid.make_backward_config(spec, block_q=block_q, block_k=block_k,
+                                                  chip=chip), backward == "fused")
     f = _attention_manual if in_manual_mesh() else _attention
     # Inside shard_map: every operand varies over the same mesh axes, so each cotangent has
     # its primal's type (JAX sums a replicated input's cotangent outside, as for any op).
@@ -96,7 +103,7 @@ def flash_attention_from_spec(query, key, value, spec: AttentionSpec, *, block_q
 def flash_attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
                     query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
                     segment_ids=None, logits_soft_cap=None, block_q=None, block_k=None,
-                    interpret=None, chip=None, sinks=None):
+                    interpret=None, chip=None, sinks=None, backward="split"):
     """FlashAttention forward as a Pallas TPU kernel.
 
     Same arguments, semantics and validation as :func:`flashlab.ladder.reference.naive_attention`
@@ -116,6 +123,10 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None, is_c
         mesh being traced under, else this host's TPU, else ``v5e``. An explicit ``chip`` wins.
       sinks: optional float ``[heads]`` sink logits, merged into each row's state at the
         last kv step (``online_softmax.sink_state``); differentiable.
+      backward: which backward ``jax.grad`` runs: ``"split"`` (default: a dK/dV kernel and a
+        dQ kernel) or ``"fused"`` (one kernel for all three, writing float32 dQ partials
+        ``[B, N, T_c, T, d]`` that XLA sums: fewer cycles on the static schedule, many more
+        HBM bytes; chapter 07 weighs the two).
 
     Returns ``[batch, q_seq, heads, head_dim_v]`` in the query's dtype (fp32 accumulation).
     Rows with no visible key are zeros, with zero gradients. Differentiable (``jax.grad``
@@ -130,4 +141,4 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None, is_c
         local_window_size=local_window_size, segment_ids=segment_ids,
         logits_soft_cap=logits_soft_cap, sinks=sinks)
     return flash_attention_from_spec(query, key, value, spec, block_q=block_q, block_k=block_k,
-                                     interpret=interpret, chip=chip)
+                                     interpret=interpret, chip=chip, backward=backward)
