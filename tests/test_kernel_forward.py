@@ -67,7 +67,7 @@ def test_value_head_dim_differs():
     _check(q, k, v, {"local_window_size": 4})
 
 
-@settings(deadline=None, max_examples=20)
+@settings(deadline=None, max_examples=10)   # ~3 s each: every option also has its own test
 @given(data=st.data())
 def test_hypothesis_breadth(data):
     B, T, S, N, K, H = draw_shape(data, [64, 80, 96, 128, 256])
