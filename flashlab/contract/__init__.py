@@ -6,7 +6,8 @@
 - :mod:`~flashlab.contract.autodiff`: which derivatives a call asks for (forward mode, second
   order).
 - :mod:`~flashlab.contract.decode_validate`: the same for one decode step (``DecodeSpec``).
+- :mod:`~flashlab.contract.layouts`: jax.nn's ``[B, T, N, H]`` or heads-major ``[B, N, T, H]``.
 """
-from flashlab.contract import autodiff, decode_validate, device, masks
+from flashlab.contract import autodiff, decode_validate, device, layouts, masks
 
-__all__ = ["autodiff", "decode_validate", "device", "masks"]
+__all__ = ["autodiff", "decode_validate", "device", "layouts", "masks"]

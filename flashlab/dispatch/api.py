@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flashlab.contract import autodiff
+from flashlab.contract import autodiff, layouts
 from flashlab.dispatch import registry
 from flashlab.contract.masks import validate
 
@@ -25,7 +25,8 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
               query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
               segment_ids=None, logits_soft_cap=None, backend: str = "auto", interpret=None,
               explain: bool = False, sinks=None, implementation: str | None = None,
-              return_residual: bool = False, q_offset=None, kv_offset=None):
+              return_residual: bool = False, q_offset=None, kv_offset=None,
+              layout: str = "BTNH"):
     """Scaled dot-product attention through the backend that suits the request.
 
     Args:
@@ -62,6 +63,10 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
       q_offset, kv_offset: global positions of the first query / key (int or traced int32
         scalar): causal, window and lengths are evaluated at global positions and lengths are
         global (one block of a longer sequence, as ring attention computes it).
+      layout: ``"BTNH"`` (default, jax.nn's ``[batch, seq, heads, head_dim]``) or ``"BNTH"``
+        (heads-major ``[batch, heads, seq, head_dim]`` for query, key, value and the result;
+        the residual is then ``[batch, heads, q_seq]``). Under ``jit`` the Pallas kernels read
+        ``"BNTH"`` arrays in place (no transposed copies in HBM; :mod:`flashlab.contract.layouts`).
 
     Returns:
       ``[batch, q_seq, heads, value_head_dim]`` in the query's dtype (and the residual when
@@ -76,6 +81,7 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
         feature and the backends that support it).
     """
     backend = _backend_for(backend, implementation, return_residual)
+    query, key, value = layouts.to_contract(layout, query, key, value)
     query, key, value, unbatched = _ensure_4d(query, key, value)
     q, k, v, spec = validate(
         query, key, value, bias, mask, scale=scale, is_causal=is_causal,
@@ -96,9 +102,11 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
         out = registry.get(choice.backend).fn(q, k, v, spec, interpret=interpret)
     if unbatched:
         out = out[0]
-    result = out
+    result = out = layouts.from_contract(layout, out)
     if return_residual:   # lse [B, N, T] -> jax.nn's [B, T, N] (or [T, N]), no gradient
-        lse = jax.lax.stop_gradient(jnp.swapaxes(lse, -1, -2).astype(q.dtype))
+        if layout == "BTNH":
+            lse = jnp.swapaxes(lse, -1, -2)
+        lse = jax.lax.stop_gradient(lse.astype(q.dtype))
         result = (out, lse[0] if unbatched else lse)
     return (result, choice) if explain else result
 

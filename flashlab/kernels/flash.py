@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from flashlab.compat.shard_map import in_manual_mesh, pvary, vma_of
-from flashlab.contract import masks
+from flashlab.contract import layouts, masks
 from flashlab.contract.masks import AttentionSpec
 from flashlab.kernels import backward
 from flashlab.kernels import backward_grid
@@ -103,7 +103,7 @@ def flash_attention_from_spec(query, key, value, spec: AttentionSpec, *, block_q
 def flash_attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
                     query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
                     segment_ids=None, logits_soft_cap=None, block_q=None, block_k=None,
-                    interpret=None, chip=None, sinks=None, backward="split"):
+                    interpret=None, chip=None, sinks=None, backward="split", layout="BTNH"):
     """FlashAttention forward as a Pallas TPU kernel.
 
     Same arguments, semantics and validation as :func:`flashlab.ladder.reference.naive_attention`
@@ -127,18 +127,24 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None, is_c
         dQ kernel) or ``"fused"`` (one kernel for all three, writing float32 dQ partials
         ``[B, N, T_c, T, d]`` that XLA sums: fewer cycles on the static schedule, many more
         HBM bytes; chapter 07 weighs the two).
+      layout: ``"BTNH"`` (default) or ``"BNTH"``: query, key, value and the result as
+        ``[batch, heads, seq, head_dim]``, which the kernels read in place under ``jit`` (no
+        transposed copies in HBM; :mod:`flashlab.contract.layouts`).
 
-    Returns ``[batch, q_seq, heads, head_dim_v]`` in the query's dtype (fp32 accumulation).
+    Returns ``[batch, q_seq, heads, head_dim_v]`` (``[batch, heads, q_seq, head_dim_v]`` with
+    ``layout="BNTH"``) in the query's dtype (fp32 accumulation).
     Rows with no visible key are zeros, with zero gradients. Differentiable (``jax.grad``
     w.r.t. query, key, value and bias) through the backward kernels of
     :mod:`flashlab.kernels.backward` (chapter 07); the backward's block sizes are
     ``block_q``/``block_k`` when they fit its VMEM estimate, else
     :func:`flashlab.kernels.blocks.choose_backward_block_sizes`.
     """
+    query, key, value = layouts.to_contract(layout, query, key, value)
     query, key, value, spec = masks.validate(
         query, key, value, bias, mask, scale=scale, is_causal=is_causal,
         query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
         local_window_size=local_window_size, segment_ids=segment_ids,
         logits_soft_cap=logits_soft_cap, sinks=sinks)
-    return flash_attention_from_spec(query, key, value, spec, block_q=block_q, block_k=block_k,
-                                     interpret=interpret, chip=chip, backward=backward)
+    out = flash_attention_from_spec(query, key, value, spec, block_q=block_q, block_k=block_k,
+                                    interpret=interpret, chip=chip, backward=backward)
+    return layouts.from_contract(layout, out)
