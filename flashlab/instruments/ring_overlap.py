@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["schedule", "send_overlap", "format_rows", "tpu_ring_schedule", "COMPUTE_OPS"]
+__all__ = ["schedule", "send_overlap", "block_computes_in_flight", "format_rows",
+           "tpu_ring_schedule", "COMPUTE_OPS"]
 
 #: Instructions that do real work (the rest is bookkeeping: tuples, slices, bitcasts, copies).
 COMPUTE_OPS = ("fusion", "conditional", "custom-call", "dot", "convolution", "while", "call")
@@ -68,6 +69,19 @@ def send_overlap(hlo_text: str) -> list[dict]:
                          "needed_at": needed, "compute_between": between,
                          "needed_by": instrs[needed]["op"] if needed < len(instrs) else None})
     return rows
+
+
+def block_computes_in_flight(rows) -> dict[str, list[int]]:
+    """``{computation: [block computes between issue and need, one per send]}``.
+
+    A block compute is a ``conditional`` (the ring's ``lax.cond`` around each backend call).
+    In the ring's loop bodies the forward has 2 sends (K, V) and the backward 4 (K, V, dK,
+    dV); with ``n`` chunk pairs per step each should read ``n`` when the sends overlap."""
+    out: dict[str, list[int]] = {}
+    for r in rows:
+        out.setdefault(r["computation"], []).append(
+            sum(n.startswith("conditional") for n in r["compute_between"]))
+    return out
 
 
 def tpu_ring_schedule(chip: str = "v5e", devices: int = 4, *, seq: int = 4096, heads: int = 4,
