@@ -283,7 +283,8 @@ def _versions() -> dict:
     import numpy as np  # noqa: PLC0415
     return {"python": platform.python_version(), "jax": jax.__version__,
             "jaxlib": jaxlib.__version__, "numpy": np.__version__,
-            "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores"}
+            "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores",
+            "load_average_1m_at_end": round(os.getloadavg()[0], 2)}
 
 
 def _step_report(a, argv, result) -> int:
