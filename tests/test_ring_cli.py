@@ -74,7 +74,7 @@ def test_memory_only_reports_every_process_per_device_bytes():
                  "--layout", "contiguous", "--no-causal"],  # the cheapest compile
                 timeout=160)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("MEMORY ")]
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("MEMORY ")]
     r = json.loads(lines[-1][len("MEMORY "):])
     assert (r["P"], r["processes"], r["N"], r["c"]) == (2, 2, 16, 8)
     peaks = [x["peak"] for x in r["per_process"]]

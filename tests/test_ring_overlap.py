@@ -61,7 +61,8 @@ def test_ring_sends_forward_and_backward_have_the_block_compute_in_flight():
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    path = os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, PYTHONPATH=path)
     env.pop("XLA_FLAGS", None)
     proc = subprocess.run([sys.executable, "-c", _CPU_RING], env=env, capture_output=True,
                           text=True, timeout=300, cwd=root)

@@ -55,7 +55,8 @@ def run_step_child(a) -> dict:
         raise ValueError(f"--devices: the step model needs a ring of >= 2 devices, got {P}")
     mesh = jax.make_mesh((P,), ("sp",))
     perm = [(j, (j + 1) % P) for j in range(P)]
-    on_all = lambda f: jax.jit(shard_map(f, mesh=mesh, in_specs=PS("sp"), out_specs=PS("sp")))  # noqa: E731
+    def on_all(f):                                # f on every device's shard [1, ...], jitted
+        return jax.jit(shard_map(f, mesh=mesh, in_specs=PS("sp"), out_specs=PS("sp")))
     put = lambda x: jax.device_put(x, NamedSharding(mesh, PS("sp")))  # noqa: E731
     rng = np.random.default_rng(0)
     rand = lambda *s: put(rng.standard_normal(s).astype(np.float32))  # noqa: E731
