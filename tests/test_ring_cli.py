@@ -63,3 +63,19 @@ def test_unreachable_coordinator_times_out_naming_the_process():
     assert proc.returncode == 1
     assert f"process 1: could not reach the coordinator at 127.0.0.1:{port} within 3 s" \
         in proc.stderr, proc.stderr[-3000:]
+
+
+def test_memory_only_reports_every_process_per_device_bytes():
+    """Compile-only across 2 processes x 1 device: one MEMORY line, the same SPMD program's
+    per-device bytes from each process (bench ring --memory-only --processes 2 reads it)."""
+    import json
+    proc = _run(["--processes", "2", "--devices-per-process", "1", "--seq", "16", "--heads", "1",
+                 "--kv-heads", "1", "--head-dim", "8", "--memory-only", "--timeout", "100",
+                 "--layout", "contiguous", "--no-causal"],  # the cheapest compile
+                timeout=160)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("MEMORY ")]
+    r = json.loads(lines[-1][len("MEMORY "):])
+    assert (r["P"], r["processes"], r["N"], r["c"]) == (2, 2, 16, 8)
+    peaks = [x["peak"] for x in r["per_process"]]
+    assert len(peaks) == 2 and peaks[0] == peaks[1] > 0

@@ -4,6 +4,6 @@
 - ``bench tiled`` (:mod:`~flashlab.benchmarks.tiled`): the tiled rung on CPU.
 - ``bench tpu-static`` (:mod:`~flashlab.benchmarks.tpu_static`): flashlab vs splash vs jax flash
   on the TPU compiler's static schedule.
-- ``bench ring`` (:mod:`~flashlab.benchmarks.ring`), ``bench generate``
-  (:mod:`~flashlab.benchmarks.generate`).
+- ``bench ring`` (:mod:`~flashlab.benchmarks.ring`; ``--step-model``:
+  :mod:`~flashlab.benchmarks.ring_step`), ``bench generate`` (:mod:`~flashlab.benchmarks.generate`).
 """

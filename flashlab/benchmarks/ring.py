@@ -11,6 +11,13 @@ Two questions, on simulated CPU devices (``--xla_force_host_platform_device_coun
   :mod:`flashlab.instruments.comm_model` builds it for TPUs: one block's compute time (the backend
   alone on one ``c × c`` block) and one hop's transfer time (a lone ``ppermute`` of one K/V block).
   With the send overlapped, a step costs ``max(compute, transfer)``; without, their sum.
+* **One step against** :mod:`flashlab.instruments.comm_model` (``--step-model``): one step's
+  compute and one step's send timed on the largest ``--devices``, next to the model's figures
+  for the same sizes on a CPU "chip" calibrated in the same run
+  (:mod:`flashlab.benchmarks.ring_step`).
+* **Across processes** (``--memory-only --processes 2``): the same memory question with the
+  devices split over processes on 127.0.0.1 (JAX distributed, gloo), each size one bounded run
+  of the launcher ``python -m flashlab ring --memory-only`` (:mod:`flashlab.scale.ring_cli`).
 
 The device count must be set before JAX starts, so each configuration runs in a fresh child
 process (``--child``) that prints one JSON line.
@@ -25,7 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["main", "run_child", "markdown"]
+__all__ = ["main", "run_child", "markdown", "run_processes", "markdown_processes"]
 
 
 def _parser():
@@ -39,6 +46,16 @@ def _parser():
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument("--memory-only", action="store_true", help="compile only: no timings")
+    p.add_argument("--processes", type=int, default=1,
+                   help="with --memory-only: split each --devices count over this many "
+                        "processes on 127.0.0.1 (python -m flashlab ring --memory-only)")
+    p.add_argument("--step-model", action="store_true",
+                   help="time one ring step's compute and send on the largest --devices, next "
+                        "to comm_model's figures on a CPU calibrated in the same run")
+    p.add_argument("--calib-matmul", type=int, default=512,
+                   help="--step-model: n of the n x n fp32 matmul that calibrates FLOP/s")
+    p.add_argument("--calib-mib", type=float, default=8.0,
+                   help="--step-model: MiB per device of the ppermute that calibrates the link")
     p.add_argument("--json", metavar="PATH", help="also write the rows, command and commit")
     p.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     return p
@@ -137,15 +154,32 @@ def markdown(rows) -> str:
 
 def main(argv=None) -> int:
     a = _parser().parse_args(argv)
+    for name in ("tokens_per_device", "heads", "kv_heads", "head_dim", "repeats",
+                 "calib_matmul", "processes"):
+        if getattr(a, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')}: expected an int >= 1, got "
+                             f"{getattr(a, name)}")
+    if not a.calib_mib > 0:
+        raise SystemExit(f"--calib-mib: expected a positive size in MiB, got {a.calib_mib}")
+    if a.step_model and a.memory_only:
+        raise SystemExit("--step-model, --memory-only: choose one")
     if a.child is not None:
-        print(json.dumps(run_child(a)))
+        if a.step_model:
+            from flashlab.benchmarks.ring_step import run_step_child
+            print(json.dumps(run_step_child(a)))
+        else:
+            print(json.dumps(run_child(a)))
         return 0
     rows = []
     base = [x for x in (sys.argv[1:] if argv is None else argv) if x]
     if a.json:                                       # children print; the parent writes
         i = base.index("--json")
         base = base[:i] + base[i + 2:]
-    for P in a.devices:
+    if a.processes > 1:
+        return _processes_report(a, argv)
+    if a.step_model and max(a.devices) < 2:
+        raise SystemExit(f"--devices: --step-model needs a ring of >= 2 devices, got {a.devices}")
+    for P in (a.devices if not a.step_model else [max(a.devices)]):
         env = dict(os.environ, JAX_PLATFORMS="cpu",
                    XLA_FLAGS=f"--xla_force_host_platform_device_count={P}")
         t0 = time.perf_counter()
@@ -157,6 +191,8 @@ def main(argv=None) -> int:
             return 1
         rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
         print(f"P={P} done in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    if a.step_model:
+        return _step_report(a, argv, rows[0])
     print(markdown(rows))
     flat = max(r["ring_peak"] for r in rows) / min(r["ring_peak"] for r in rows)
     grow = rows[-1]["one_device_peak"] / rows[0]["one_device_peak"]
@@ -171,5 +207,97 @@ def main(argv=None) -> int:
             what="XLA memory_analysis of the compiled forward+backward ring, per device "
                  "(peak = arguments + outputs + temporaries), on simulated CPU devices; "
                  "N = tokens_per_device x P", rows=rows), indent=1) + "\n")
+        print(f"wrote {a.json}")
+    return 0
+
+
+def run_processes(a, P: int) -> dict:
+    """One bounded 2-process (``a.processes``) launch: per-device bytes of every process."""
+    n = a.processes
+    cmd = [sys.executable, "-m", "flashlab", "ring", "--processes", str(n),
+           "--devices-per-process", str(P // n), "--seq", str(a.tokens_per_device * P),
+           "--heads", str(a.heads), "--kv-heads", str(a.kv_heads), "--head-dim", str(a.head_dim),
+           "--backend", a.backend, "--memory-only", "--timeout", f"{a.timeout:g}"]
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=a.timeout + 60)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("MEMORY ")]
+    if proc.returncode or not lines:
+        raise RuntimeError(f"processes: {' '.join(cmd[1:])} failed (status "
+                           f"{proc.returncode}):\n{proc.stderr[-2000:]}")
+    r = json.loads(lines[-1][len("MEMORY "):])
+    worst = max(r["per_process"], key=lambda x: x["peak"])
+    return {**r, "ring_peak": worst["peak"], "ring_args": worst["arguments"],
+            "ring_temp": worst["temporaries"]}
+
+
+def markdown_processes(rows) -> str:
+    """Per-device MiB of the forward+backward ring, one column per process."""
+    mib = lambda b: f"{b / 2**20:.2f}"  # noqa: E731
+    n = len(rows[0]["per_process"])
+    out = ["| devices P | processes x devices | global N | " + " | ".join(
+        f"process {i} MiB/device" for i in range(n)) + " | of which arguments | temporaries |",
+        "|---" * (5 + n) + "|"]
+    out += [f"| {r['P']} | {n} x {r['P'] // n} | {r['N']} | " + " | ".join(
+        mib(x["peak"]) for x in r["per_process"]) + f" | {mib(r['ring_args'])} "
+        f"| {mib(r['ring_temp'])} |" for r in rows]
+    return "\n".join(out)
+
+
+def _processes_report(a, argv) -> int:
+    if not a.memory_only:
+        raise SystemExit("--processes: only with --memory-only (the time per step is measured "
+                         "on simulated devices of one process: --step-model)")
+    bad = [P for P in a.devices if P % a.processes]
+    if bad:
+        raise SystemExit(f"--devices: each count must be a multiple of --processes "
+                         f"{a.processes}, got {bad}")
+    rows = []
+    for P in a.devices:
+        t0 = time.perf_counter()
+        rows.append(run_processes(a, P))
+        print(f"P={P} ({a.processes} processes) done in {time.perf_counter() - t0:.0f} s",
+              file=sys.stderr)
+    print(markdown_processes(rows))
+    flat = max(r["ring_peak"] for r in rows) / min(r["ring_peak"] for r in rows)
+    print(f"per-device peak, largest/smallest over P={a.devices} (N = {a.tokens_per_device} P): "
+          f"{flat:.2f}x")
+    if a.json:
+        from flashlab.benchmarks.tpu_static import _commit
+        Path(a.json).write_text(json.dumps(dict(
+            command="python -m flashlab bench ring " + " ".join(
+                sys.argv[1:] if argv is None else argv), commit=_commit(), versions=_versions(),
+            what="XLA memory_analysis of the compiled forward+backward ring (loss sum(O * dO), "
+                 "dO an input), per device, reported by every process; processes on 127.0.0.1 "
+                 "joined by jax.distributed (gloo CPU collectives); N = tokens_per_device x P; "
+                 "fp32, causal, zig-zag", rows=rows), indent=1) + "\n")
+        print(f"wrote {a.json}")
+    return 0
+
+
+def _versions() -> dict:
+    import platform  # noqa: PLC0415
+
+    import jax  # noqa: PLC0415
+    import jaxlib  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
+    return {"python": platform.python_version(), "jax": jax.__version__,
+            "jaxlib": jaxlib.__version__, "numpy": np.__version__,
+            "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores",
+            "load_average_1m_at_end": round(os.getloadavg()[0], 2)}
+
+
+def _step_report(a, argv, result) -> int:
+    """Print the measured-vs-modelled step table (and store it with ``--json``)."""
+    from flashlab.benchmarks.ring_step import ASSUMPTIONS, step_rows, step_table
+    print(step_table(result))
+    print(f"assumptions: {ASSUMPTIONS}")
+    if a.json:
+        from flashlab.benchmarks.tpu_static import _commit
+        Path(a.json).write_text(json.dumps(dict(
+            command="python -m flashlab bench ring " + " ".join(
+                sys.argv[1:] if argv is None else argv), commit=_commit(),
+            versions=_versions(), assumptions=ASSUMPTIONS, result=result,
+            rows=step_rows(result)), indent=1) + "\n")
         print(f"wrote {a.json}")
     return 0

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["schedule", "send_overlap", "format_rows", "tpu_ring_schedule", "COMPUTE_OPS"]
+__all__ = ["schedule", "send_overlap", "block_computes_in_flight", "loop_summary",
+           "format_rows", "tpu_ring_schedule", "COMPUTE_OPS"]
 
 #: Instructions that do real work (the rest is bookkeeping: tuples, slices, bitcasts, copies).
 COMPUTE_OPS = ("fusion", "conditional", "custom-call", "dot", "convolution", "while", "call")
@@ -70,6 +71,29 @@ def send_overlap(hlo_text: str) -> list[dict]:
     return rows
 
 
+def block_computes_in_flight(rows) -> dict[str, list[int]]:
+    """``{computation: [block computes between issue and need, one per send]}``.
+
+    A block compute is a ``conditional`` (the ring's ``lax.cond`` around each backend call).
+    In the ring's loop bodies the forward has 2 sends (K, V) and the backward 4 (K, V, dK,
+    dV); with ``n`` chunk pairs per step each should read ``n`` when the sends overlap."""
+    out: dict[str, list[int]] = {}
+    for r in rows:
+        out.setdefault(r["computation"], []).append(
+            sum(n.startswith("conditional") for n in r["compute_between"]))
+    return out
+
+
+def loop_summary(rows) -> str:
+    """One line per loop body (every computation but the entry): its sends and the block
+    computes in flight for each -- 2 sends is the forward ring (K, V), 4 the backward's (K, V,
+    dK, dV)."""
+    what = {2: "forward ring loop (K, V)", 4: "backward ring loop (K, V, dK, dV)"}
+    bodies = [v for c, v in block_computes_in_flight(rows).items() if not c.startswith("main")]
+    return "\n".join(f"{what.get(len(v), f'loop with {len(v)} sends')}: block computes in "
+                     f"flight per send {v}" for v in sorted(bodies, key=len))
+
+
 def tpu_ring_schedule(chip: str = "v5e", devices: int = 4, *, seq: int = 4096, heads: int = 4,
                       head_dim: int = 128, grad: bool = False) -> list[dict]:
     """:func:`send_overlap` of ring attention (our Pallas kernel on every step) compiled by the
@@ -117,7 +141,9 @@ def main(argv=None) -> int:
     for grad in (False, True):
         print(f"ring attention, {'forward+backward' if grad else 'forward'}, pallas_tpu, causal, "
               f"N={a.seq}, {a.devices}-chip {a.chip} (real TPU compiler, compile only):")
-        print(format_rows(tpu_ring_schedule(a.chip, a.devices, seq=a.seq, grad=grad)))
+        rows = tpu_ring_schedule(a.chip, a.devices, seq=a.seq, grad=grad)
+        print(format_rows(rows))
+        print(loop_summary(rows))
     return 0
 
 

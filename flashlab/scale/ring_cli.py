@@ -49,6 +49,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--window", type=int, nargs=2, default=None, metavar=("LEFT", "RIGHT"))
     p.add_argument("--repeats", type=int, default=3, help="timed calls after the compile")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds for every wait")
+    p.add_argument("--memory-only", action="store_true",
+                   help="compile only: print one JSON line with the per-device bytes of the "
+                        "forward+backward program (XLA memory analysis) of every process")
     p.add_argument("--seed", type=int, default=0)
     # Internal / testing.
     p.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
@@ -192,6 +195,8 @@ def worker(args) -> int:
         raise SystemExit(f"process {me}: failing on purpose (--fail-process {me})")
     P = jax.device_count()
     mesh = jax.make_mesh((P,), (args.mesh_axis,))
+    if args.memory_only:
+        return _memory_only(args, mesh)
     B, N, H, K, d = args.batch, args.seq, args.heads, args.kv_heads, args.head_dim
     q, k, v = conformance.random_qkv(np.random.default_rng(args.seed), B, N, N, H, K, d)
     dout = np.random.default_rng(args.seed + 1).standard_normal(q.shape).astype(np.float32)
@@ -252,6 +257,45 @@ def worker(args) -> int:
           f"relative errs dq/dk/dv: {', '.join(f'{r:.2e}' for r in rel)} (tol {GRAD_RTOL:g})")
     print("OK" if ok else "MISMATCH")
     return 0 if ok else 1
+
+
+def _memory_only(args, mesh) -> int:
+    """Compile (no run) the forward+backward ring on global shapes; every process reports its
+    per-device bytes and process 0 prints them as one JSON line, prefixed ``MEMORY``."""
+    import json  # noqa: PLC0415
+
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
+    from jax.experimental import multihost_utils  # noqa: PLC0415
+    from jax.sharding import NamedSharding  # noqa: PLC0415
+    from jax.sharding import PartitionSpec as PS  # noqa: PLC0415
+
+    from flashlab.scale.ring import ring_attention
+    P, B, N, H, K, d = (jax.device_count(), args.batch, args.seq, args.heads, args.kv_heads,
+                        args.head_dim)
+    if N % P:
+        raise ValueError(f"--seq: global length {N} must be a multiple of the {P} devices "
+                         f"(each holds N/P tokens)")
+    shard = NamedSharding(mesh, PS(None, args.mesh_axis))     # N/P tokens per device
+    sds = lambda n: jax.ShapeDtypeStruct((B, N, n, d), jnp.float32, sharding=shard)  # noqa: E731
+    kw = {"is_causal": not args.no_causal}
+
+    def loss(q, k, v, do):
+        return jnp.sum(ring_attention(q, k, v, mesh=mesh, axis_name=args.axis_name,
+                                      layout=args.layout, backend=args.backend, **kw) * do)
+
+    ma = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(
+        sds(H), sds(K), sds(K), sds(H)).compile().memory_analysis()
+    mine = np.array([ma.argument_size_in_bytes, ma.output_size_in_bytes,
+                     ma.temp_size_in_bytes], np.int64)
+    every = np.asarray(multihost_utils.process_allgather(mine))      # [processes, 3]
+    if jax.process_index() == 0:
+        rows = [{"process": p, "arguments": int(a), "outputs": int(o), "temporaries": int(t),
+                 "peak": int(a + o + t)} for p, (a, o, t) in enumerate(every)]
+        print("MEMORY " + json.dumps({"P": P, "processes": jax.process_count(), "N": N,
+                                      "c": N // P, "per_process": rows}), flush=True)
+    return 0
 
 
 def main(argv=None) -> int:

@@ -2,8 +2,9 @@
 
 :func:`ring_forward` passes K/V around the ring, issuing the next block's ``ppermute`` before
 computing the current one, and merges each block's ``(out, lse)`` with
-:func:`flashlab.ladder.online_softmax.merge`; :func:`ring_backward` carries dK/dV around with
-them. :mod:`flashlab.scale.ring` builds the configuration and the ``shard_map`` program.
+:func:`flashlab.ladder.online_softmax.merge`; :func:`ring_backward` carries dK/dV around one
+step behind them (software-pipelined: every send issued before the step's compute).
+:mod:`flashlab.scale.ring` builds the configuration and the ``shard_map`` program.
 """
 from __future__ import annotations
 
@@ -194,10 +195,20 @@ def ring_backward(q, k, v, aux, out, lse, dout, cfg: RingConfig):
 
     Each step runs the backend's backward on (local queries, held block) with the *global*
     ``out`` and ``lse``, which yields exactly this block's share of dQ, dK, dV. dQ stays
-    home; the dK/dV accumulators travel around the ring with their K/V block and, after ``P``
-    hops, arrive back at the device that owns the block. Like the K/V, they are sent as soon
-    as they are complete: this step's contribution is computed into fresh zeros, so the
-    accumulator arriving from the previous device is needed only for the final add.
+    home; the dK/dV accumulators travel around the ring one step behind their K/V block.
+
+    Software-pipelined so that every send is issued before the step's compute and consumed
+    only after it. At step ``s`` device ``i`` holds block ``i - s``; it issues
+
+    * the ``ppermute`` of that K/V block (to ``i + 1``, for step ``s + 1``), and
+    * the ``ppermute`` of the accumulator it finished at step ``s - 1`` (block ``i - s + 1``,
+      which ``i + 1`` holds at step ``s``) -- so the one it *receives* is, from ``i - 1``,
+      the accumulator of the very block ``i`` holds now;
+
+    then computes this step's contribution into fresh zeros and only then adds the received
+    accumulator. After step ``P - 1`` device ``i`` holds the finished accumulator of block
+    ``i + 1``; one last hop brings it home. Same sends as the unpipelined ring (``P - 1``
+    K/V hops and ``P`` accumulator hops), none of them waiting on this step's compute.
     """
     idx = jax.lax.axis_index(cfg.axis)
     _, block_bwd = block_functions(cfg.backend, cfg.interpret)
@@ -207,14 +218,11 @@ def ring_backward(q, k, v, aux, out, lse, dout, cfg: RingConfig):
     l_chunks = _chunk(lse, cfg.nc, axis=2)
     q_starts = cfg.starts("q", idx)
     perm = _ring_perm(cfg.P)
-    kv = {"k": k, "v": v, "kv_seg": aux.get("kv_seg")}
-    grads = {"dk": jnp.zeros(k.shape, f32), "dv": jnp.zeros(v.shape, f32)}
-    dq = [jnp.zeros(c.shape, f32) for c in q_chunks]
+    send = lambda x: jax.lax.ppermute(x, cfg.axis, perm)  # noqa: E731
 
-    def step(s, carry, send):
-        kv, grads_in, dq = carry
-        kv_next = jax.lax.ppermute(kv, cfg.axis, perm) if send else kv
-        k_starts = cfg.starts("k", (idx - s) % cfg.P)
+    def contribution(s, kv, dq):
+        """This step's share: ``dq`` (home) plus fresh ``{dk, dv}`` of the held block."""
+        k_starts = cfg.starts("k", (idx - s) % cfg.P)          # whose K/V block we hold now
         k_chunks, v_chunks = _chunk(kv["k"], cfg.nc), _chunk(kv["v"], cfg.nc)
         kv_segs = _chunk(kv["kv_seg"], cfg.nc)
         dk = [jnp.zeros(c.shape, f32) for c in k_chunks]
@@ -234,13 +242,26 @@ def ring_backward(q, k, v, aux, out, lse, dout, cfg: RingConfig):
                 acc = compute(acc) if maybe is True else jax.lax.cond(maybe, compute,
                                                                        lambda x: x, acc)
                 dq[a], dk[b], dv[b] = acc
-        mine = {"dk": jnp.concatenate(dk, axis=1), "dv": jnp.concatenate(dv, axis=1)}
-        # The accumulators follow their block: after the last step one more hop brings
-        # them home (the K/V themselves need not travel again).
-        grads = jax.lax.ppermute(jax.tree_util.tree_map(jnp.add, grads_in, mine), cfg.axis, perm)
-        return kv_next, grads, dq
+        return dq, {"dk": jnp.concatenate(dk, axis=1), "dv": jnp.concatenate(dv, axis=1)}
 
-    _, grads, dq = _ring_loop(step, (kv, grads, dq), cfg.P)
+    def step(s, carry, send_kv, send_acc):
+        kv, acc, dq = carry
+        # Both sends first: neither depends on this step's compute.
+        kv_next = send(kv) if send_kv else kv                  # K/V for step s + 1
+        acc_in = send(acc) if send_acc else None               # dK/dV of the block held now
+        dq, mine = contribution(s, kv, dq)
+        acc = mine if acc_in is None else jax.tree_util.tree_map(jnp.add, acc_in, mine)
+        return kv_next, acc, dq
+
+    kv = {"k": k, "v": v, "kv_seg": aux.get("kv_seg")}
+    dq = [jnp.zeros(c.shape, f32) for c in q_chunks]
+    P = cfg.P
+    carry = step(0, (kv, None, dq), P > 1, False)              # prologue: no accumulator yet
+    if P > 1:
+        carry = jax.lax.fori_loop(1, P - 1, lambda s, c: step(s, c, True, True), carry)
+        carry = step(P - 1, carry, False, True)                # epilogue: K/V need not move
+    _, acc, dq = carry
+    grads = send(acc) if P > 1 else acc                        # block i + 1's dK/dV: home
     dq = jnp.concatenate(dq, axis=1)
     return dq.astype(q.dtype), grads["dk"].astype(k.dtype), grads["dv"].astype(v.dtype)
 
