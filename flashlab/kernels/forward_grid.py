@@ -130,8 +130,9 @@ def mask_operands(cfg, scores_map_for, q_seg_map, kv_seg_map):
     Shared by the forward and both backward kernels, which differ only in their index maps.
     Returns ``(names, BlockSpecs, padded HBM shapes)``.
     """
-    full = (cfg.batch, cfg.num_heads, cfg.q_len_p, cfg.kv_len_p)
-    bq, bk = cfg.block_q, cfg.block_k
+    B, N, bq, bk = cfg.batch, cfg.num_heads, cfg.block_q, cfg.block_k
+    Tp, Sp = cfg.q_len_p, cfg.kv_len_p
+    full = (B, N, Tp, Sp)
     sds = jax.ShapeDtypeStruct
     names, specs, shapes = [], [], []
     for name, bcast, dtype in (("bias", cfg.bias_bcast, cfg.bias_dtype),
