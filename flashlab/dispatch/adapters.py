@@ -53,8 +53,8 @@ def blank_bias_as_mask(spec: AttentionSpec):
     value (jax.nn, the official kernels) would give NaN (``-inf - -inf``) or mean(V) for such
     a row, so the adapters hand them a bias with those entries at 0 and a mask that hides
     them, and :func:`zero_invisible_rows` then zeroes the rows this mask leaves empty. A NaN
-    or ``+inf`` bias stays in the bias: NaN logits must come out NaN. The mask stays
-    ``[B|1, N|1, T, S]`` like the bias (never broadcast to ``[B, N, T, S]``).
+    or ``+inf`` bias stays in the bias: NaN logits must come out NaN. The mask has the
+    broadcast shape of the mask and the bias (each ``[B|1, N|1, T|1, S|1]``), no larger.
     """
     if spec.bias is None:
         return None, spec.mask

@@ -23,6 +23,12 @@ Two kernels, split as in FlashAttention-2 (the choice is argued in chapter 07):
   innermost broadcast axes (:func:`dbias_grid_spec`): no ``[B, N, T, S]``
   array.
 
+A bias or mask with a T or S dim of 1 (``[.., 1, S]``, ``[.., T, 1]``) is read by every kernel
+as blocks of 1 on that dim, broadcast in VMEM (:func:`forward.scores_block`). Only when the
+bias gradient is requested does the backward read such a bias at full length
+(:func:`dbias_config`: broadcast to ``[B|1, N|1, T, S]`` in the wrapper), and dBias is then
+summed over that dim in XLA, back to the bias's shape.
+
 ``D_i`` is an O(N·d) elementwise product and row sum: plain XLA, fused, before the kernels.
 
 Block skipping as in the forward, with neither compute nor DMA: the dQ kernel clamps ``j``
