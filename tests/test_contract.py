@@ -174,7 +174,7 @@ def test_length1_t_or_s_dims_forward_and_gradients(backend, mask_form, bias_form
     argnums = (0, 1, 2, 3) if with_dbias else (0, 1, 2)
 
     def grads(f):
-        loss = lambda q, k, v, b: (f(q, k, v, b, mask) ** 2).sum()  # noqa: E731
+        loss = lambda q, k, v, b: (f(q, k, v, b, mask) ** 2).sum()
         return jax.jit(jax.value_and_grad(loss, argnums=argnums))(q, k, v, bias)
 
     (lo, ours) = grads(lambda *a: flashlab.attention(*a, backend=backend))
@@ -196,7 +196,7 @@ def test_length1_t_or_s_dims_stay_1_in_the_spec_and_the_kernel_blocks():
     from flashlab.kernels.backward_grid import backward_grid_specs, make_backward_config
     from flashlab.kernels.forward_config import make_config
     from flashlab.kernels.forward_grid import forward_grid_spec
-    B, T, S, N, K, H = SHAPES[0]
+    B, T, S = SHAPES[0][:3]
     q, k, v = _qkv(SHAPES[0])
     r = np.random.default_rng(0)
     _, _, _, spec = validate(q, k, v, _form("bias", SHAPES[0], r, "B1T1"),

@@ -240,7 +240,7 @@ def test_length1_mask_and_bias_blocks_compile(chip, grad_bias):
     x = jax.ShapeDtypeStruct((B, T, N, d), BF16)
     arrays = {"bias": jax.ShapeDtypeStruct((B, 1, T, 1), F32),
               "mask": jax.ShapeDtypeStruct((B, 1, 1, T), jnp.bool_)}
-    attn = lambda *a, **kw: flashlab.flash_attention(*a, **kw, interpret=False)  # noqa: E731
+    attn = lambda *a, **kw: flashlab.flash_attention(*a, **kw, interpret=False)
     program = _program(attn, {}, grad_bias)
     calls = tpu_compile.pallas_calls(program, x, x, x, arrays, chip=chip)
     for call in calls:                      # bias [B_r, 1] and mask [1, B_c] in every kernel

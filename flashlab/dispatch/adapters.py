@@ -223,7 +223,7 @@ def _under_tpu_interpret(fn, params):
 
         @jax.jit
         def bwd_host(fl, ints, g):
-            f = lambda fl: fn(*tree.unflatten(merge(fl, ints)))  # noqa: E731
+            f = lambda fl: fn(*tree.unflatten(merge(fl, ints)))
             with force_tpu_interpret_mode(params):
                 return jax.vjp(f, fl)[1](g)[0]
 
