@@ -138,6 +138,7 @@ def bias_grad(ds, cfg, bias_shape):
 def add_tile(dbias, tile, cfg, i, j):
     """``dbias [.., Tp|1, Sp|1] += tile`` at blocks (i, j); a broadcast dim of 1 sums there."""
     at = [0, 0, 0, i * cfg.bq if dbias.shape[3] > 1 else 0, j * cfg.bk if dbias.shape[4] > 1 else 0]
+    at = [jnp.asarray(a, jnp.int32) for a in at]     # one index dtype, also under x64
     old = jax.lax.dynamic_slice(dbias, at, tile.shape)
     return jax.lax.dynamic_update_slice(dbias, old + tile, at)
 
