@@ -154,6 +154,68 @@ def test_broadcast_bias_gradient_has_the_bias_shape(backend):
         np.testing.assert_allclose(a, b, atol=GTOL, rtol=0)
 
 
+# (mask form, bias form, bias differentiated): the padding masks and per-row biases that the
+# kernels read in their broadcast form (a block of 1 on T or S); a constant bias keeps that
+# form in the backward too, a differentiated one is read at full T/S there.
+LENGTH1_FORMS = [("B11S", "B1T1", True), ("BN1S", "B11S", True), ("B1T1", "1N11", False)]
+
+
+@pytest.mark.parametrize("backend,mask_form,bias_form,with_dbias",
+                         [("pallas_tpu", *f) for f in LENGTH1_FORMS] + [("tiled", *LENGTH1_FORMS[0])])
+def test_length1_t_or_s_dims_forward_and_gradients(backend, mask_form, bias_form, with_dbias):
+    """Mask/bias with a T or S dim of 1: output and dq, dk, dv (and dbias, in the bias's own
+    shape) equal the reference rung's within the fp32 tolerances above (the reference, not
+    jax.nn: a [B, 1, T, 1] mask empties whole rows, which jax.nn fills with mean(V); the
+    reference itself is held to jax.nn on these forms by the breadth test above)."""
+    shape = SHAPES[1]
+    q, k, v = _qkv(shape, seed=3)
+    r = np.random.default_rng(4)
+    mask, bias = _form("mask", shape, r, mask_form), _form("bias", shape, r, bias_form)
+    argnums = (0, 1, 2, 3) if with_dbias else (0, 1, 2)
+
+    def grads(f):
+        loss = lambda q, k, v, b: (f(q, k, v, b, mask) ** 2).sum()
+        return jax.jit(jax.value_and_grad(loss, argnums=argnums))(q, k, v, bias)
+
+    (lo, ours) = grads(lambda *a: flashlab.attention(*a, backend=backend))
+    (lt, theirs) = grads(lambda *a: flashlab.attention(*a, backend="reference"))
+    np.testing.assert_allclose(lo, lt, rtol=1e-5)
+    np.testing.assert_allclose(flashlab.attention(q, k, v, bias, mask, backend=backend),
+                               flashlab.attention(q, k, v, bias, mask, backend="reference"),
+                               atol=ATOL, rtol=0)
+    if with_dbias:
+        assert ours[3].shape == bias.shape
+    for a, b in zip(ours, theirs):
+        np.testing.assert_allclose(a, b, atol=GTOL, rtol=0)
+
+
+def test_length1_t_or_s_dims_stay_1_in_the_spec_and_the_kernel_blocks():
+    """No [.., T, S] copy of a [B, 1, 1, S] mask or a [B, 1, T, 1] bias: the spec keeps the 1s
+    and the forward and backward kernels' BlockSpecs read a block of 1 at block index 0."""
+    from flashlab.contract.masks import validate
+    from flashlab.kernels.backward_grid import backward_grid_specs, make_backward_config
+    from flashlab.kernels.forward_config import make_config
+    from flashlab.kernels.forward_grid import forward_grid_spec
+    B, T, S = SHAPES[0][:3]
+    q, k, v = _qkv(SHAPES[0])
+    r = np.random.default_rng(0)
+    _, _, _, spec = validate(q, k, v, _form("bias", SHAPES[0], r, "B1T1"),
+                             _form("mask", SHAPES[0], r, "B11S"))
+    assert spec.bias.shape == (B, 1, T, 1) and spec.mask.shape == (B, 1, 1, S)
+    cfg = make_config(spec, chip="v5e")
+    specs = [forward_grid_spec(cfg)]
+    specs += backward_grid_specs(make_backward_config(spec, chip="v5e"), with_dbias=False).values()
+    for gs in specs:
+        c = gs.config
+        for name, one, block in (("bias", 3, (None, None, c.block_q, 1)),
+                                 ("mask", 2, (None, None, 1, c.block_k))):
+            assert tuple(gs.spec(name).block_shape) == block, (getattr(gs, "name", "fwd"), name)
+            assert gs.shape(name).shape[one] == 1
+            idx = gs.spec(name).index_map(*(1,) * len(gs.grid),
+                                          *(np.full((B,), n, np.int32) for n in (T, S)))
+            assert idx[one] == 0
+
+
 @pytest.mark.parametrize("backend", ALL)
 def test_traced_lengths_above_the_dimension_are_clamped(backend):
     """Traced lengths > seq under jit == eager with the clamped lengths (pallas was 6e-2 off)."""

@@ -19,6 +19,8 @@ programs took 354 s of CPU, ~3 min on 2 cores):
   cases (fp32 and head_dim 256 at the largest blocks) sit on v4, the chip with least VMEM.
 * ``ADAPTERS``: the official ``splash`` and ``jax_pallas_flash`` kernels through flashlab's
   adapters (forward + grad) on the features they declare in the registry, spread over chips.
+* a padding mask ``[B, 1, 1, S]`` with a per-row bias ``[B, 1, T, 1]`` (blocks of 1 on the
+  broadcast dim) on v5e and v4, ~10 s each.
 * ``DISTRIBUTED``: ``ring_attention`` (ppermute ring) and ``sharded_attention`` (shard_map
   around the Pallas kernel) on a 4-chip v5e slice and on a v5p 2x2x1 slice, forward + grad,
   so the collectives go through the real compiler too.
@@ -225,3 +227,25 @@ def test_broadcast_bias_gradient_makes_no_full_scores_array():
     assert "flashlab_flash_backward_dbias" in text
     full = B * N * T * T * 4                       # 64 MiB: what the old dS output was
     assert report.memory["temp"] < full // 2, (report.memory, full)
+
+
+@pytest.mark.parametrize("chip,grad_bias", [("v5e", False), ("v4", True)])
+def test_length1_mask_and_bias_blocks_compile(chip, grad_bias):
+    """A padding mask [B, 1, 1, S] and a per-row bias [B, 1, T, 1] reach the kernels in that
+    form, as blocks [1, B_c] and [B_r, 1] (a block dim equal to the array's dim of 1 is legal
+    under the (8, 128) rule): forward + grad compile on v5e (the backward kernels read the
+    constant bias broadcast too) and v4 (least VMEM, no int8 VPU; the bias differentiated,
+    which the backward reads at full T)."""
+    B, T, N, d = 2, 1024, 4, 128
+    x = jax.ShapeDtypeStruct((B, T, N, d), BF16)
+    arrays = {"bias": jax.ShapeDtypeStruct((B, 1, T, 1), F32),
+              "mask": jax.ShapeDtypeStruct((B, 1, 1, T), jnp.bool_)}
+    attn = lambda *a, **kw: flashlab.flash_attention(*a, **kw, interpret=False)
+    program = _program(attn, {}, grad_bias)
+    calls = tpu_compile.pallas_calls(program, x, x, x, arrays, chip=chip)
+    for call in calls:                      # bias [B_r, 1] and mask [1, B_c] in every kernel
+        if call["name"] != "flashlab_flash_backward_dbias" and not grad_bias:
+            assert any(b[-1] == 1 for b in call["blocks"]) and \
+                any(b[-2] == 1 for b in call["blocks"]), call
+    assert any(b[-1] == 1 for b in calls[0]["blocks"]), calls[0]     # the forward, always
+    _check(tpu_compile.compile(program, x, x, x, arrays, chip=chip))

@@ -68,11 +68,11 @@ def qkv(query, key, value, allow_empty=False):
 
 
 def bias_or_mask(name, x, B, N, T, S, kind, float_dtype=jnp.float32):
-    """Check a bias/mask against jax.nn's rule and return it as ``[B|1, N|1, T, S]``.
+    """Check a bias/mask against jax.nn's rule and return it as ``[B|1, N|1, T|1, S|1]``.
 
     jax.nn: rank <= 4 (leading 1s added), each dim 1 or full, mask bool, bias any real
-    dtype. Batch/head dims of 1 stay 1; T/S dims of 1 are broadcast (cheap, differentiable:
-    the bias gradient comes back in the bias's own shape).
+    dtype. Every dim of 1 stays 1 (nothing is materialised; each backend reads the
+    broadcast form, and the bias gradient comes back in the bias's own shape).
     """
     x = as_array(name, x, "an array")
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
@@ -95,8 +95,6 @@ def bias_or_mask(name, x, B, N, T, S, kind, float_dtype=jnp.float32):
     x = jnp.reshape(jnp.asarray(x), shape4)
     if kind == "bias" and not jnp.issubdtype(dt, jnp.floating):
         x = x.astype(float_dtype)
-    if (t, s) != (T, S):
-        x = jnp.broadcast_to(x, (b, n, T, S))
     return x
 
 

@@ -24,10 +24,13 @@ Semantics (those of ``jax.nn.dot_product_attention`` plus flashlab's extras):
 Broadcasting and value rules (:func:`validate`; the same for every backend):
 
 * ``bias``/``mask`` of rank <= 4 get leading 1s (as ``jax.nn.dot_product_attention``) and
-  each dim must be 1 or full: ``[B|1, N|1, T|1, S|1]``. The batch and head dims stay 1 in the
-  spec (kernels read them broadcast); a T or S dim of 1 is broadcast to full length there
-  (cheap: ``[B|1, N|1, T, S]``, never ``[B, N, T, S]``). An integer or bool bias becomes float.
-  The bias gradient has the bias's own shape.
+  each dim must be 1 or full: ``[B|1, N|1, T|1, S|1]``. Every dim of 1 stays 1 in the spec:
+  the padding mask ``[B, 1, 1, S]`` is kept as it is, never ``[B, N, T, S]``. Every backend
+  reads that broadcast form (reference/xla by array broadcasting, ``tiled`` by tiles of 1
+  on that dim, the Pallas kernels by a block of 1 whose index map stays at 0). An integer or
+  bool bias becomes float. The bias gradient has the bias's own shape (summed over its
+  broadcast dims); the Pallas backward, only when that gradient is requested, broadcasts a
+  bias's T or S dim of 1 to full length for its backward kernels (``[B|1, N|1, T, S]``).
 * lengths: concrete values outside ``[0, dim]`` raise; *traced* values (under ``jit``) are
   clamped to ``[0, dim]``, which is what every backend's masks do with them anyway.
 * ``local_window_size`` sides larger than ``WINDOW_CAP`` (2**30) are clamped to it: the same
@@ -67,8 +70,8 @@ class AttentionSpec:
 
     Array fields (pytree leaves, may be ``None``)::
 
-      bias            float  [B or 1, Hq or 1, Tq, Tk]
-      mask            bool   [B or 1, Hq or 1, Tq, Tk]   True = visible
+      bias            float  [B or 1, Hq or 1, Tq or 1, Tk or 1]
+      mask            bool   [B or 1, Hq or 1, Tq or 1, Tk or 1]   True = visible
       q_lengths       int32  [B]      valid query tokens per batch row
       kv_lengths      int32  [B]      valid key tokens per batch row
       q_segment_ids   int32  [B, Tq]

@@ -16,6 +16,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from flashlab.contract import device
 from flashlab.contract.masks import AttentionSpec
@@ -52,8 +53,8 @@ def blank_bias_as_mask(spec: AttentionSpec):
     value (jax.nn, the official kernels) would give NaN (``-inf - -inf``) or mean(V) for such
     a row, so the adapters hand them a bias with those entries at 0 and a mask that hides
     them, and :func:`zero_invisible_rows` then zeroes the rows this mask leaves empty. A NaN
-    or ``+inf`` bias stays in the bias: NaN logits must come out NaN. The mask stays
-    ``[B|1, N|1, T, S]`` like the bias (never broadcast to ``[B, N, T, S]``).
+    or ``+inf`` bias stays in the bias: NaN logits must come out NaN. The mask has the
+    broadcast shape of the mask and the bias (each ``[B|1, N|1, T|1, S|1]``), no larger.
     """
     if spec.bias is None:
         return None, spec.mask
@@ -173,47 +174,67 @@ def _tpu_interpret_params(interpret):
 
 
 def _under_tpu_interpret(fn, params):
-    """``fn`` with TPU interpret mode forced while tracing both its forward and its backward.
+    """``fn`` run in TPU interpret mode, as one effect-free host callback per pass.
 
-    ``pltpu.force_tpu_interpret_mode`` applies to pallas_calls *traced* under it; a
-    custom_vjp backward is traced later (at transpose time), so we re-enter the context there.
+    ``pltpu.force_tpu_interpret_mode`` applies to pallas_calls *traced* under it, and the TPU
+    interpreter simulates memory with ``io_callback``s, whose effects ``jax.checkpoint``
+    refuses ("Effects not supported in partial-eval of `checkpoint`/`remat`"). So the
+    interpreted forward (and the backward, ``jax.vjp`` of it) runs inside a ``pure_callback``
+    that jits and calls it on the host: the caller's program sees no effect, and remat may
+    replay it (re-simulating a kernel changes nothing). The callbacks are ``custom_vjp``-joined;
+    the backward recomputes the forward from the saved inputs, as remat would. A caller's
+    ``jax.vmap`` loops over the callback (``vmap_method="sequential"``), so the interpreter,
+    which cannot batch a ``pallas_call`` (jax 0.10: a ``safe_zip`` length error), never sees it.
     """
     if params is None:
         return fn
     from flashlab.compat.pallas import force_tpu_interpret_mode
 
-    @jax.custom_vjp
-    def wrapped(*args):
+    @jax.jit
+    def fwd_host(args):
         with force_tpu_interpret_mode(params):
             return fn(*args)
 
-    def fwd(*args):
-        with force_tpu_interpret_mode(params):
-            out, vjp = jax.vjp(fn, *args)
-        return out, vjp
+    def shapes(tree):
+        return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
 
-    def bwd(vjp, g):
-        with force_tpu_interpret_mode(params):
-            return vjp(g)
+    def call(host, out, *args):
+        def on_cpu(*a):             # the interpreter is a CPU program, wherever the caller is
+            with jax.default_device(jax.devices("cpu")[0]):
+                return host(*a)
+        return jax.pure_callback(on_cpu, out, *args, vmap_method="sequential")
+
+    @jax.custom_vjp
+    def wrapped(*args):
+        return call(fwd_host, jax.eval_shape(fn, *shapes(args)), args)
+
+    def fwd(*args):
+        return wrapped(*args), args
+
+    def bwd(args, g):
+        # Cotangents of the float leaves from the host; integer leaves (segment ids) get
+        # float0 zeros, as JAX wants for them.
+        leaves, tree = jax.tree_util.tree_flatten(args)
+        is_f = [jnp.issubdtype(x.dtype, jnp.inexact) for x in leaves]
+
+        def merge(fl, ints):
+            fl, ints = iter(fl), iter(ints)
+            return [next(fl) if f else next(ints) for f in is_f]
+
+        @jax.jit
+        def bwd_host(fl, ints, g):
+            f = lambda fl: fn(*tree.unflatten(merge(fl, ints)))
+            with force_tpu_interpret_mode(params):
+                return jax.vjp(f, fl)[1](g)[0]
+
+        fl = [x for x, f in zip(leaves, is_f) if f]
+        ints = [x for x, f in zip(leaves, is_f) if not f]
+        dfl = call(bwd_host, shapes(fl), fl, ints, g)
+        zeros = [np.zeros(x.shape, jax.dtypes.float0) for x in ints]
+        return tuple(tree.unflatten(merge(dfl, zeros)))
 
     wrapped.defvjp(fwd, bwd)
     return wrapped
-
-
-def _refuse_interpreted_vmap(name, params, *arrays):
-    """The official kernels in TPU interpret mode cannot run under ``jax.vmap``: say so.
-
-    JAX's TPU interpreter (jax 0.10) mis-counts the grid axis ``vmap`` adds to a
-    ``pallas_call`` and fails deep inside with a ``safe_zip`` length error. Compiled on a TPU
-    they batch fine, so only the interpreted request is refused.
-    """
-    from flashlab.contract.autodiff import under_vmap
-    if params is not None and under_vmap(*arrays):
-        raise NotImplementedError(
-            f"backend {name!r} in TPU interpret mode (interpret=True) cannot run under "
-            "jax.vmap: JAX's TPU interpreter does not batch pallas_call; run it compiled on "
-            "a TPU, loop over the batch yourself, or use backend 'pallas_tpu', 'tiled', "
-            "'xla' or 'reference', which support vmap everywhere")
 
 
 def _pad_to(x, axis, multiple):
@@ -258,8 +279,6 @@ def jax_pallas_flash_fn(query, key, value, spec, *, interpret=None):
     """
     from flashlab.compat.pallas import official_flash_attention
     fa = official_flash_attention()
-    _refuse_interpreted_vmap("jax_pallas_flash", _tpu_interpret_params(interpret), query, key,
-                             value, spec.bias)
     B, T, N, D = query.shape
     S = key.shape[1]
     blk = OFFICIAL_BLOCK
@@ -335,13 +354,13 @@ def splash_fn(query, key, value, spec, *, interpret=None):
     k, v = (_pad_to(jnp.swapaxes(x, 1, 2), 2, blk) for x in (key, value))   # [B, K, Sp, D]
     seg = _padded_segment_ids(spec, Tp, Sp)
     params = _tpu_interpret_params(interpret)
-    _refuse_interpreted_vmap("splash", params, query, key, value)
     kw = dict(head_shards=1, q_seq_shards=1, attn_logits_soft_cap=spec.soft_cap)
     if params is not None:
         kw["interpret"] = params
 
     # Compiled: vmap over rows. TPU interpret mode in jax 0.10 mis-handles the grid axis vmap
-    # adds to a pallas_call, so interpreted runs loop in Python (tiny shapes only anyway).
+    # adds to a pallas_call, so interpreted runs loop in Python (tiny shapes only anyway); a
+    # caller's jax.vmap never reaches the interpreter (see _under_tpu_interpret).
     _map = _vmap_map if params is None else _python_map
 
     def run(q, k, v, seg):

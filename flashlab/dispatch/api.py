@@ -176,10 +176,12 @@ def explain(query, key, value, bias=None, mask=None, *, scale=None, is_causal=Fa
 # ----------------------------------------------------------------------------- Flax adapter
 
 def _flax_to_4d(name, x, batch_shape, N, T, S):
-    """Flax's broadcastable ``[batch..., heads, q, kv]`` mask/bias -> our ``[B|1, N|1, T, S]``.
+    """Flax's broadcastable ``[batch..., heads, q, kv]`` mask/bias -> our
+    ``[B|1, N|1, T|1, S|1]``.
 
-    Flax documents these as *broadcastable*; we broadcast only the q/kv dims of size 1 and
-    the leading batch dims, and refuse anything else with a message naming the shape.
+    Flax documents these as *broadcastable*; we broadcast only the leading batch dims (to
+    flatten them into one; a dim of 1 elsewhere stays 1, as :func:`validate` keeps it), and
+    refuse anything else with a message naming the shape.
     """
     if x is None:
         return None
@@ -194,9 +196,9 @@ def _flax_to_4d(name, x, batch_shape, N, T, S):
         if got not in (1, full):
             raise ValueError(f"{name}: {what} must be 1 or {full} ({want}), got shape {x.shape}")
     b_all_one = all(d == 1 for d in x.shape[:nb])
-    x = jnp.broadcast_to(x, (*(x.shape[:nb] if b_all_one else batch_shape), x.shape[nb], T, S))
+    x = jnp.broadcast_to(x, (*(x.shape[:nb] if b_all_one else batch_shape), *x.shape[nb:]))
     B = 1 if b_all_one else int(np.prod(batch_shape))
-    return x.reshape(B, x.shape[-3], T, S)
+    return x.reshape(B, *x.shape[nb:])
 
 
 def as_flax_attention_fn(backend: str = "auto", **attention_kwargs):

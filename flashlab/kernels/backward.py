@@ -23,6 +23,12 @@ Two kernels, split as in FlashAttention-2 (the choice is argued in chapter 07):
   innermost broadcast axes (:func:`dbias_grid_spec`): no ``[B, N, T, S]``
   array.
 
+A bias or mask with a T or S dim of 1 (``[.., 1, S]``, ``[.., T, 1]``) is read by every kernel
+as blocks of 1 on that dim, broadcast in VMEM (:func:`forward.scores_block`). Only when the
+bias gradient is requested does the backward read such a bias at full length
+(:func:`dbias_config`: broadcast to ``[B|1, N|1, T, S]`` in the wrapper), and dBias is then
+summed over that dim in XLA, back to the bias's shape.
+
 ``D_i`` is an O(N·d) elementwise product and row sum: plain XLA, fused, before the kernels.
 
 Block skipping as in the forward, with neither compute nor DMA: the dQ kernel clamps ``j``
@@ -32,6 +38,7 @@ maps and the compute agree by construction.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -47,7 +54,7 @@ from flashlab.kernels import forward_grid
 from flashlab.compat.pallas import pl
 from flashlab.kernels.refs import RefNames, name_refs
 from flashlab.kernels.backward_grid import (
-    BackwardGridSpec, _dbias_order, _full_bias, _lengths, _q_range, dbias_grid_spec, dkdv_grid_spec, dq_grid_spec, make_backward_config, D_ROW, LOG2E, LSE_ROW, ForwardConfig)
+    BackwardGridSpec, _dbias_order, _full_bias, dbias_config, _lengths, _q_range, dbias_grid_spec, dkdv_grid_spec, dq_grid_spec, make_backward_config, D_ROW, LOG2E, LSE_ROW, ForwardConfig)
 
 __all__ = ["flash_attention_backward"]
 
@@ -81,7 +88,7 @@ def _tile(ins, cfg: ForwardConfig, q_start, k_start, q_len, kv_len, *, transpose
         t = jnp.tanh(s * (cfg.scale / cfg.soft_cap))
         s = (cfg.soft_cap * LOG2E) * t
     if "bias" in ins:
-        s = s + orient(ins["bias"][...].astype(jnp.float32)) * LOG2E
+        s = s + orient(fwd.scores_block(ins, "bias", cfg)) * LOG2E
     visible = fwd.tile_visible(ins, cfg, q_start, k_start, q_len, kv_len,
                                transposed=transposed)
     if transposed:
@@ -188,7 +195,7 @@ def dbias_kernel(*refs, cfg: ForwardConfig, names: RefNames):
     b, i, j = ax["b"], ax["i"], ax["j"]
     q_len, kv_len = q_lengths_ref[b], kv_lengths_ref[b]
 
-    bc = order[4 - sum(cfg.bias_bcast):]                # the broadcast axes, innermost
+    bc = order[4 - sum(cfg.bias_bcast[:2]):]            # the broadcast axes, innermost
 
     def _init():
         dbias_ref[...] = jnp.zeros(dbias_ref.shape, jnp.float32)
@@ -260,6 +267,12 @@ def _backward(query, key, value, spec, out, lse, d_out, *, cfg: ForwardConfig, i
     """Gradients ``(dq, dk, dv, dbias | None)`` in the public layout (``fused``: one kernel
     for dQ, dK, dV, see :func:`dkdv_grid_spec`)."""
     with_dbias = with_dbias and spec.bias is not None
+    bias_shape = None if spec.bias is None else spec.bias.shape
+    if with_dbias and dbias_config(cfg) != cfg:   # a bias [.., 1, S] / [.., T, 1]: read full
+        cfg = dbias_config(cfg)
+        b, n = spec.bias.shape[:2]
+        spec = dataclasses.replace(spec, bias=jnp.broadcast_to(
+            spec.bias, (b, n, cfg.q_len, cfg.kv_len)))
     Tp, Dvp = cfg.q_len_p, cfg.head_dim_v_p
     q_lengths, kv_lengths, ops = fwd._prepare(cfg, query, key, value, spec)
     # D_i = rowsum(dO ∘ O): [B, T, N] -> [B, N, T], an O(N·d) XLA fusion.
@@ -309,7 +322,9 @@ def _backward(query, key, value, spec, out, lse, d_out, *, cfg: ForwardConfig, i
     if with_dbias:                  # dS itself, or summed in-kernel over the broadcast dims
         ds = (dq_outs[1] if _full_bias(cfg) and not fused else
               run(dbias_grid_spec(cfg), dbias_kernel, "dbias")[0])
-        dbias = ds[:, :, :cfg.q_len, :cfg.kv_len].astype(spec.bias.dtype)
+        ds = ds[:, :, :cfg.q_len, :cfg.kv_len]
+        summed = tuple(d for d in (2, 3) if bias_shape[d] == 1 and ds.shape[d] > 1)
+        dbias = (ds.sum(axis=summed, keepdims=True) if summed else ds).astype(spec.bias.dtype)
     return dq, dk, dv, dbias
 
 

@@ -27,7 +27,7 @@ from flashlab.kernels import forward_config
 from flashlab.compat.pallas import pl
 
 
-__all__ = ["ForwardConfig", "LSE_ROW", "D_ROW", "LOG2E", "BackwardGridSpec", "STATS_LANES", "backward_grid_specs", "dbias_grid_spec", "dkdv_grid_spec", "dq_grid_spec", "make_backward_config", "prefetch_names"]
+__all__ = ["ForwardConfig", "LSE_ROW", "D_ROW", "LOG2E", "BackwardGridSpec", "STATS_LANES", "backward_grid_specs", "dbias_config", "dbias_grid_spec", "dkdv_grid_spec", "dq_grid_spec", "make_backward_config", "prefetch_names"]
 
 ForwardConfig = forward_config.ForwardConfig
 # The dQ kernel's statistics ``stats [B, N, T, 256]`` float32: lse in lanes [0, 128), D_i in
@@ -187,7 +187,8 @@ def dkdv_grid_spec(cfg: ForwardConfig, fused: bool = False) -> BackwardGridSpec:
     def scores_map_for(bcast):
         def scores_map(b, hk, j, g, i, q_lengths, kv_lengths, offsets=None):
             return (0 if bcast[0] else b, 0 if bcast[1] else hk * G + g,
-                    q_block(b, j, i, q_lengths, kv_lengths, offsets), j)
+                    0 if bcast[2] else q_block(b, j, i, q_lengths, kv_lengths, offsets),
+                    0 if bcast[3] else j)
         return scores_map
 
     def qseg_map(b, hk, j, g, i, q_lengths, kv_lengths, offsets=None):
@@ -261,10 +262,22 @@ def _full_bias(cfg: ForwardConfig) -> bool:
     return cfg.bias_bcast is not None and not any(cfg.bias_bcast)
 
 
+def dbias_config(cfg: ForwardConfig) -> ForwardConfig:
+    """The backward's config when dBias is requested: a bias's broadcast T or S dim (``[.., 1,
+    S]``, ``[.., T, 1]``) is read at full length, so dBias is dS summed over batch/heads only
+    (the wrapper broadcasts the bias to ``[B|1, N|1, T, S]`` and sums dBias back to its shape).
+    Without a bias gradient the kernels read such a bias in its broadcast form."""
+    bc = cfg.bias_bcast
+    if bc is None or not (bc[2] or bc[3]):
+        return cfg
+    return dataclasses.replace(cfg, bias_bcast=(bc[0], bc[1], False, False))
+
+
 def backward_grid_specs(cfg: ForwardConfig, with_dbias: bool = True
                         ) -> dict[str, BackwardGridSpec]:
     """``{"dkdv": ..., "dq": ...[, "dbias": ...]}``: the backward kernels' grids, in the order
     they run (``dbias`` only for a differentiated bias broadcast over batch or heads)."""
+    cfg = dbias_config(cfg) if with_dbias else cfg
     out = {"dkdv": dkdv_grid_spec(cfg), "dq": dq_grid_spec(cfg, with_dbias)}
     if with_dbias and cfg.bias_bcast is not None and any(cfg.bias_bcast):
         out["dbias"] = dbias_grid_spec(cfg)
@@ -287,6 +300,7 @@ def dbias_grid_spec(cfg: ForwardConfig) -> BackwardGridSpec:
     are innermost and "arbitrary", so the block stays resident while they run and no
     ``[B, N, T, S]`` array is ever made. Each step recomputes S and dP (two matmuls).
     """
+    cfg = dbias_config(cfg)
     order = _dbias_order(cfg)
     sizes = dict(b=cfg.batch, h=cfg.num_heads, i=cfg.num_q_blocks, j=cfg.num_kv_blocks)
     maps = forward_grid.index_maps(cfg)
@@ -304,7 +318,7 @@ def dbias_grid_spec(cfg: ForwardConfig) -> BackwardGridSpec:
         cfg, bhij(maps.q), bhij(maps.kv), lambda bc: bhij(maps.scores_for(bc)),
         bhij(maps.q_seg), bhij(maps.kv_seg))
     bias_shape = forward_grid.mask_operands(cfg, maps.scores_for, maps.q_seg, maps.kv_seg)[2][0].shape
-    n_bc = sum(cfg.bias_bcast)     # 0: a full-shape bias (fused backward), all parallel
+    n_bc = sum(cfg.bias_bcast[:2])     # 0: a full-shape bias (fused backward), all parallel
     return BackwardGridSpec(
         config=cfg, grid=tuple(sizes[a] for a in order), in_names=tuple(names),
         in_specs=tuple(specs), in_shapes=tuple(shapes), out_names=("dbias",),

@@ -59,8 +59,21 @@ def score_tile(ins, cfg: ForwardConfig, q_start, k_start, q_len, kv_len):
         t = jnp.tanh(s / cfg.soft_cap)
         s = cfg.soft_cap * t
     if "bias" in ins:
-        s = s + ins["bias"][...].astype(jnp.float32)
+        s = s + scores_block(ins, "bias", cfg)
     return s, t, tile_visible(ins, cfg, q_start, k_start, q_len, kv_len)
+
+
+def scores_block(ins, name: str, cfg: ForwardConfig):
+    """The ``[B_r, B_c]`` block of the bias (float32) or mask (int32) read from ``ins[name]``.
+
+    A bias/mask with a broadcast T or S dim arrives as a ``[1, B_c]``, ``[B_r, 1]`` or
+    ``[1, 1]`` block (its BlockSpec keeps that dim at 1): it is broadcast here, in VMEM,
+    after the cast (Mosaic broadcasts 32-bit values along sublanes and lanes).
+    """
+    x = ins[name][...]
+    x = x.astype(jnp.float32 if name == "bias" else jnp.int32)
+    shape = (cfg.block_q, cfg.block_k)
+    return x if x.shape == shape else jnp.broadcast_to(x, shape)
 
 
 def tile_visible(ins, cfg: ForwardConfig, q_start, k_start, q_len, kv_len, *,
@@ -89,8 +102,10 @@ def tile_visible(ins, cfg: ForwardConfig, q_start, k_start, q_len, kv_len, *,
         kv_len=kv_len if cfg.mask_kv_len else None, q_seg=q_seg, kv_seg=kv_seg)
     if "mask" in ins:
         mask = ins["mask"][...]                                             # [B_r, B_c] int8
-        if transposed or blk.resolve_chip(cfg.chip) in blk.NO_INT8_VPU:
-            mask = mask.astype(jnp.int32)           # Mosaic: no int8 compare (v4), transpose
+        if (transposed or blk.resolve_chip(cfg.chip) in blk.NO_INT8_VPU
+                or mask.shape != (bq, bk)):
+            # Mosaic: no int8 compare (v4), transpose or broadcast ([1, B_c], [B_r, 1])
+            mask = scores_block(ins, "mask", cfg)
         visible = jnp.logical_and(visible, (mask.T if transposed else mask) != 0)
     return visible
 
@@ -219,12 +234,13 @@ def _prepare(cfg: ForwardConfig, query, key, value, spec: AttentionSpec):
         return jnp.pad(x, ((0, 0), (0, 0), (0, T - x.shape[2]), (0, D - x.shape[3])))
 
     ops = [to_kernel(query, Tp, Dp), to_kernel(key, Sp, Dp), to_kernel(value, Sp, Dvp)]
-    pad_scores = lambda a: jnp.pad(a, ((0, 0), (0, 0), (0, Tp - cfg.q_len),  # noqa: E731
-                                       (0, Sp - cfg.kv_len)))
+    def pad_scores(a, bcast):  # a broadcast T or S dim of 1 stays 1 (blocks of 1 read it)
+        return jnp.pad(a, ((0, 0), (0, 0), (0, 0 if bcast[2] else Tp - a.shape[2]),
+                           (0, 0 if bcast[3] else Sp - a.shape[3])))
     if spec.bias is not None:
-        ops.append(pad_scores(spec.bias.astype(cfg.bias_dtype)))
+        ops.append(pad_scores(spec.bias.astype(cfg.bias_dtype), cfg.bias_bcast))
     if spec.mask is not None:
-        ops.append(pad_scores(spec.mask.astype(jnp.int8)))
+        ops.append(pad_scores(spec.mask.astype(jnp.int8), cfg.mask_bcast))
     if spec.q_segment_ids is not None:
         qs = jnp.pad(spec.q_segment_ids, ((0, 0), (0, Tp - cfg.q_len)))
         ks = jnp.pad(spec.kv_segment_ids, ((0, 0), (0, Sp - cfg.kv_len)))

@@ -30,8 +30,8 @@ class ForwardConfig:
     """Every static fact the forward kernel is built from (hashable: a jit static argument).
 
     Sizes are the *padded* ones the kernel sees (``q_len_p = T_r * block_q`` and so on);
-    ``q_len``/``kv_len`` are the caller's. ``bias_bcast``/``mask_bcast`` say whether the
-    batch and head dims of bias/mask are full (False) or 1 (True).
+    ``q_len``/``kv_len`` are the caller's. ``bias_bcast``/``mask_bcast`` say, per dim
+    ``(batch, heads, T, S)``, whether bias/mask is full there (False) or 1, broadcast (True).
     """
 
     batch: int
@@ -49,8 +49,8 @@ class ForwardConfig:
     window: tuple[int | None, int | None] | None = None
     soft_cap: float | None = None
     bias_dtype: Any = None
-    bias_bcast: tuple[bool, bool] | None = None
-    mask_bcast: tuple[bool, bool] | None = None
+    bias_bcast: tuple[bool, bool, bool, bool] | None = None
+    mask_bcast: tuple[bool, bool, bool, bool] | None = None
     has_segments: bool = False
     mask_q_len: bool = False        # query_seq_lengths given: rows past it are masked
     mask_kv_len: bool = False       # kv lengths given or kv padding: keys past it are masked
@@ -137,8 +137,9 @@ def make_config(spec: AttentionSpec, *, block_q=None, block_k=None, return_lse=F
     block_q = auto_q if block_q is None else block_q
     block_k = auto_k if block_k is None else block_k
     blk.check_block_sizes(block_q, block_k, head_dim=spec.head_dim, dtype=dt, chip=chip, **kw)
-    bcast = lambda a: None if a is None else (a.shape[0] == 1 and spec.batch > 1,  # noqa: E731
-                                              a.shape[1] == 1 and spec.num_heads > 1)
+    full = (spec.batch, spec.num_heads, spec.q_len, spec.kv_len)
+    bcast = lambda a: None if a is None else tuple(  # noqa: E731
+        bool(a.shape[d] == 1 and full[d] > 1) for d in range(4))
     cfg = ForwardConfig(
         batch=spec.batch, num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
         q_len=spec.q_len, kv_len=spec.kv_len, head_dim=spec.head_dim,

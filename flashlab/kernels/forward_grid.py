@@ -132,14 +132,18 @@ def mask_operands(cfg, scores_map_for, q_seg_map, kv_seg_map):
     """
     B, N, bq, bk = cfg.batch, cfg.num_heads, cfg.block_q, cfg.block_k
     Tp, Sp = cfg.q_len_p, cfg.kv_len_p
+    full = (B, N, Tp, Sp)
     sds = jax.ShapeDtypeStruct
     names, specs, shapes = [], [], []
     for name, bcast, dtype in (("bias", cfg.bias_bcast, cfg.bias_dtype),
                                ("mask", cfg.mask_bcast, jnp.int8)):
         if bcast is not None:
+            # A broadcast T or S dim stays 1 in HBM and in the block (legal: a block dim
+            # equal to the array dim); the index map keeps it at 0, the kernel broadcasts.
             names.append(name)
-            specs.append(pl.BlockSpec((None, None, bq, bk), scores_map_for(bcast)))
-            shapes.append(sds((1 if bcast[0] else B, 1 if bcast[1] else N, Tp, Sp), dtype))
+            specs.append(pl.BlockSpec((None, None, 1 if bcast[2] else bq, 1 if bcast[3] else bk),
+                                      scores_map_for(bcast)))
+            shapes.append(sds(tuple(1 if bc else n for bc, n in zip(bcast, full)), dtype))
     if cfg.has_segments:
         # Segment ids lane-/sublane-replicated so their blocks obey the (8, 128) rule:
         # q ids [B, T, 128] (block [B_r, 128]), kv ids [B, 8, S] (block [8, B_c]).
@@ -177,8 +181,8 @@ def index_maps(cfg: ForwardConfig) -> IndexMaps:
 
     def scores_index_map_for(bcast):
         def scores_index_map(b, h, i, j, q_lengths, kv_lengths, offsets=None):
-            return (0 if bcast[0] else b, 0 if bcast[1] else h, i,
-                    kv_block(b, i, j, q_lengths, kv_lengths, offsets))
+            return (0 if bcast[0] else b, 0 if bcast[1] else h, 0 if bcast[2] else i,
+                    0 if bcast[3] else kv_block(b, i, j, q_lengths, kv_lengths, offsets))
         return scores_index_map
 
     def q_seg_index_map(b, h, i, j, q_lengths, kv_lengths, offsets=None):
@@ -217,7 +221,8 @@ def visit_index_maps(cfg: ForwardConfig) -> IndexMaps:
     def scores_for(bcast):
         def scores_map(b, h, t, *pref):
             i, j = ij(b, t, *pref)
-            return (0 if bcast[0] else b, 0 if bcast[1] else h, i, j)
+            return (0 if bcast[0] else b, 0 if bcast[1] else h, 0 if bcast[2] else i,
+                    0 if bcast[3] else j)
         return scores_map
 
     def q_seg_map(b, h, t, q_lengths, kv_lengths, visits):

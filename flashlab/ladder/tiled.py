@@ -135,7 +135,9 @@ def _prepare(query, key, value, spec: AttentionSpec, bq: int, bk: int):
     q4 = pad_axis(q4, 2, Tp)
     kv3 = lambda x: pad_axis(x.transpose(0, 2, 1, 3).reshape(B * K, S, x.shape[3]), 1, Sp)
     k3, v3 = kv3(key), kv3(value)                               # [B·K, Sp, d], [B·K, Sp, d_v]
-    pad5 = lambda x: pad_axis(pad_axis(heads5(x, K, G), 3, Tp), 4, Sp)  # [B|1, K|1, G|1, Tp, Sp]
+    # [B|1, K|1, G|1, Tp|1, Sp|1]: a T or S dim of 1 stays 1 (broadcast tile by tile).
+    pad5 = lambda x: pad_axis(pad_axis(heads5(x, K, G), 3, Tp if x.shape[2] > 1 else 1),
+                              4, Sp if x.shape[3] > 1 else 1)
     bias5 = None if spec.bias is None else pad5(spec.bias)
     q_lengths, kv_lengths = spec.local_lengths()                # lengths of this block
     q_off, kv_off = spec.offsets() if spec.has_offsets else (None, None)

@@ -100,11 +100,8 @@ def backward_loops(cfg: TileConfig, q4, k3, v3, bias5, aux: TileAux, out4, lse3,
                 q0 = i * cfg.bq
                 old = jax.lax.dynamic_slice_in_dim(dq, q0, cfg.bq, 2)
                 dq = jax.lax.dynamic_update_slice_in_dim(dq, old + dq_t.reshape(old.shape), q0, 2)
-                if bias5 is not None:     # each tile is visited once: write, don't add
-                    blk = jax.lax.dynamic_slice_in_dim(dbias, q0, cfg.bq, 3)
-                    blk = jax.lax.dynamic_update_slice_in_dim(
-                        blk, bias_grad(ds, cfg, bias5.shape), j * cfg.bk, 4)
-                    dbias = jax.lax.dynamic_update_slice_in_dim(dbias, blk, q0, 3)
+                if bias5 is not None:     # add: a T or S dim of 1 collects many tiles
+                    dbias = add_tile(dbias, bias_grad(ds, cfg, bias5.shape), cfg, i, j)
                 return dq, dbias, dk, dv
             return body
 
@@ -130,10 +127,18 @@ def backward_loops(cfg: TileConfig, q4, k3, v3, bias5, aux: TileAux, out4, lse3,
 
 
 def bias_grad(ds, cfg, bias_shape):
-    """``dS [BK, bk, G·bq]`` (backward rows layout) -> the bias tile ``[b, k, g, bq, bk]``,
-    summed over the dimensions the bias broadcasts over."""
+    """``dS [BK, bk, G·bq]`` (backward rows layout) -> the bias tile ``[b, k, g, bq|1, bk|1]``,
+    summed over the dimensions the bias broadcasts over (batch, heads, T, S)."""
     ds = ds.reshape(cfg.B, cfg.K, cfg.bk, cfg.G, cfg.bq)
     ds = jnp.moveaxis(ds, 2, 4)                                      # [B, K, G, bq, bk]
-    axes = tuple(a for a in range(3) if bias_shape[a] == 1 and ds.shape[a] > 1)
+    axes = tuple(a for a in range(5) if bias_shape[a] == 1 and ds.shape[a] > 1)
     return ds.sum(axis=axes, keepdims=True) if axes else ds
+
+
+def add_tile(dbias, tile, cfg, i, j):
+    """``dbias [.., Tp|1, Sp|1] += tile`` at blocks (i, j); a broadcast dim of 1 sums there."""
+    at = [0, 0, 0, i * cfg.bq if dbias.shape[3] > 1 else 0, j * cfg.bk if dbias.shape[4] > 1 else 0]
+    at = [jnp.asarray(a, jnp.int32) for a in at]     # one index dtype, also under x64
+    old = jax.lax.dynamic_slice(dbias, at, tile.shape)
+    return jax.lax.dynamic_update_slice(dbias, old + tile, at)
 

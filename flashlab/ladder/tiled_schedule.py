@@ -258,7 +258,7 @@ def visit_tables(cfg: TileConfig, aux: TileAux, *, transposed: bool):
 
 
 def block_rows(x5, cfg: TileConfig, transposed: bool):
-    """A ``[B|1, K|1, G|1, bq, bk]`` tile -> ``[BK, G·bq, bk]`` (or ``[BK, bk, G·bq]``)."""
+    """A ``[B|1, K|1, G|1, bq|1, bk|1]`` tile -> ``[BK, G·bq, bk]`` (or ``[BK, bk, G·bq]``)."""
     B, K, G, bq, bk = cfg.B, cfg.K, cfg.G, cfg.bq, cfg.bk
     if transposed:
         x5 = jnp.moveaxis(x5, 4, 2)                                 # [B, K, bk, G, bq]
@@ -267,9 +267,10 @@ def block_rows(x5, cfg: TileConfig, transposed: bool):
 
 
 def block_tile(x5, cfg, i, j):
-    """``[.., .., .., Tp, Sp]`` -> the ``[.., .., .., bq, bk]`` tile of blocks (i, j)."""
-    x = jax.lax.dynamic_slice_in_dim(x5, i * cfg.bq, cfg.bq, 3)
-    return jax.lax.dynamic_slice_in_dim(x, j * cfg.bk, cfg.bk, 4)
+    """``[.., .., .., Tp|1, Sp|1]`` -> the ``[.., .., .., bq|1, bk|1]`` tile of blocks (i, j)
+    (a broadcast dim of 1 is the same for every block; :func:`block_rows` broadcasts it)."""
+    x = x5 if x5.shape[3] == 1 else jax.lax.dynamic_slice_in_dim(x5, i * cfg.bq, cfg.bq, 3)
+    return x if x.shape[4] == 1 else jax.lax.dynamic_slice_in_dim(x, j * cfg.bk, cfg.bk, 4)
 
 
 def visible_tile(cfg: TileConfig, aux: TileAux, i, j, transposed: bool):
