@@ -56,9 +56,9 @@ def _flashlab(chip, backward, causal, block, shape, dtype):
     jax.eval_shape(probe, x, x, x)
     fb = got["fwd"]
 
-    def f(q, k, v):
-        return flash.flash_attention(q, k, v, is_causal=causal, block_q=fb[0], block_k=fb[1],
-                                  interpret=False, chip=chip)
+    def f(q, k, v):      # the blocks a user gets: passing fb would size the backward by them
+        return flash.flash_attention(q, k, v, is_causal=causal, block_q=bq, block_k=bk,
+                                     interpret=False, chip=chip)
     info = {"forward": list(fb), "dq": got["bwd"], "dkdv": got["bwd"]}
     return f, (x, x, x), info
 
