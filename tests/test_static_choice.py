@@ -60,4 +60,9 @@ def test_target_table_compares_with_the_better_official_kernel():
                                  ("flashlab", "sweep", 1024, 80), ("splash", "sweep", 1024, 85)]]
     text = tpu_static_report.target_table(rows).splitlines()
     assert "jax_pallas_flash" in text[1] and "0.90" in text[1] and "met" in text[1]
-    assert "splash" in text[2] and "0.94" in text[2] and "MISSED" in text[2]
+    assert "splash" in text[2] and "0.94" in text[2] and "<= 0.9 MISSED" in text[2]
+    for r in rows:                       # v5p's target is "no worse than 1.0x"
+        r["chip"] = "v5p"
+    text = tpu_static_report.target_table(rows).splitlines()
+    assert "0.94" in text[2] and "<= 1.0 met" in text[2]
+    assert "<= 0.9 MISSED" in tpu_static_report.target_table(rows, target=0.9).splitlines()[2]
