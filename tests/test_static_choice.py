@@ -66,3 +66,20 @@ def test_target_table_compares_with_the_better_official_kernel():
     text = tpu_static_report.target_table(rows).splitlines()
     assert "0.94" in text[2] and "<= 1.0 met" in text[2]
     assert "<= 0.9 MISSED" in tpu_static_report.target_table(rows, target=0.9).splitlines()[2]
+
+
+def test_backward_before_after_table_reads_the_stored_rows():
+    """The stored BEFORE rows (issue 18's backward changes) join the current tpu_static rows:
+    every chip, both kernels, with provenance; the table prints before > after per row."""
+    before = tpu_static_report.stored_backward_before()
+    assert before["versions"]["libtpu"] and before["command"] and before["changes"]
+    assert {(r["chip"], r["kernel"]) for r in before["rows"]} == {
+        (c, k) for c in ("v4", "v5e", "v5p", "v6e", "7x") for k in ("dq", "dkdv")}
+    after = [dict(r, tile_cycles=r["tile_cycles"] - 100, est_cycles=r["est_cycles"] // 2,
+                  est_ms=r["est_ms"] / 2) for r in before["rows"]]
+    after += [dict(r, library="splash", est_cycles=r["est_cycles"]) for r in before["rows"]]
+    lines = tpu_static_report.before_after_table(before["rows"], after).splitlines()
+    assert len(lines) == 1 + 10
+    v5e_dq = next(ln for ln in lines if ln.startswith("v5e  dQ"))
+    b = next(r for r in before["rows"] if (r["chip"], r["kernel"]) == ("v5e", "dq"))
+    assert f"{b['tile_cycles']} > {b['tile_cycles'] - 100}" in v5e_dq and v5e_dq.endswith("0.50")

@@ -159,3 +159,35 @@ def training_step_table(rows, *, blocks="equal") -> str:
         rs = f"{est / ref[0]:.2f}" if ref and ref[2] == set(MATMULS) else "-"
         out.append(f"{chip:4} {lib:17} {est:14.2f} {est / floor:7.2f} {rs:>8}")
     return "\n".join(out)
+
+
+def stored_backward_before(path=None) -> dict:
+    """The stored BEFORE rows of the backward kernels (``data/backward_optimisations.json``:
+    issue 18's backward changes, their provenance and the rows copied from the run before)."""
+    p = Path(path) if path else Path(__file__).parent.parent / "data" / "backward_optimisations.json"
+    return json.loads(p.read_text())
+
+
+def before_after_table(before_rows, after_rows, *, kernels=("dq", "dkdv")) -> str:
+    """flashlab's kernels before and after, per chip, at equal blocks: tile and per-step cycles,
+    whole-kernel estimate, and the ratio to the better of splash and jax's kernel after."""
+    def eq(rows, lib, chip, kernel):
+        rs = [r for r in rows if (r["library"], r["chip"], r["kernel"], r["blocks"])
+              == (lib, chip, kernel, "equal") and r.get("est_cycles") is not None]
+        return rs[0] if rs else None
+    out = [f"{'chip':4} {'kernel':6} {'tile before > after':>20} {'step before > after':>20} "
+           f"{'est ms before > after':>22} {'x best other':>12}"]
+    for chip in dict.fromkeys(r["chip"] for r in before_rows):
+        for kernel in kernels:
+            b, a = eq(before_rows, "flashlab", chip, kernel), eq(after_rows, "flashlab", chip, kernel)
+            if b is None or a is None:
+                continue
+            others = [o for lib in ("splash", "jax_pallas_flash")
+                      if (o := eq(after_rows, lib, chip, kernel)) is not None]
+            ratio = (f"{a['est_cycles'] / min(o['est_cycles'] for o in others):.2f}"
+                     if others else "-")
+            name = {"dq": "dQ", "dkdv": "dK/dV"}.get(kernel, kernel)
+            out.append(f"{chip:4} {name:6} {b['tile_cycles']:>9} > {a['tile_cycles']:<8} "
+                       f"{b['step_cycles']:>9} > {a['step_cycles']:<8} "
+                       f"{b['est_ms']:>10.2f} > {a['est_ms']:<9.2f} {ratio:>12}")
+    return "\n".join(out)
