@@ -7,8 +7,9 @@ import json
 import textwrap
 from pathlib import Path
 
-__all__ = ["LIBRARIES", "MATMULS", "ROLE_LABEL", "update_rows", "best_blocks", "target_table", "header", "table",
-           "training_step_table"]
+__all__ = ["LIBRARIES", "MATMULS", "ROLE_LABEL", "TARGETS", "update_rows", "best_blocks",
+           "target_table", "header", "table", "training_step_table", "stored_backward_before",
+           "before_after_table"]
 
 LIBRARIES = ("flashlab", "splash", "jax_pallas_flash")
 MATMULS = {"forward": 2, "dq": 3, "dkdv": 4}     # matmuls of one tile, per kernel
