@@ -127,6 +127,10 @@ def table(rows) -> str:
     head = (f"{'chip':4} {'kernel':6} {'blocks':7} {'library':17} {'bq x bk':>9} {'tile':>6} "
             f"{'step':>5} {'occ':>5} {'est ms':>8} {'floor':>6} {'x floor':>7} {'x splash':>8}")
     out = [head, "-" * len(head)]
+    # Splash's estimate per (chip, kernel, blocks, block sizes) among these rows: a row stored
+    # by --update from a run without splash has no ratio of its own.
+    splash = {(r["chip"], r["kernel"], r["blocks"], r["block_q"], r["block_k"]): r["est_cycles"]
+              for r in rows if r.get("library") == "splash" and r.get("est_cycles")}
     for r in rows:
         left = (f"{r['chip']:4} {ROLE_LABEL[r['kernel']]:6} {r['blocks']:7} "
                 f"{r['library']:17}")
@@ -134,7 +138,11 @@ def table(rows) -> str:
             out.append(f"{left} FAILED: {r['error']}")
             continue
         ms = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
-        rs = "-" if r["ratio_splash"] is None else f"{r['ratio_splash']:.2f}"
+        ratio = r["ratio_splash"]
+        key = (r["chip"], r["kernel"], r["blocks"], r["block_q"], r["block_k"])
+        if ratio is None and key in splash and r.get("est_cycles"):
+            ratio = r["est_cycles"] / splash[key]
+        rs = "-" if ratio is None else f"{ratio:.2f}"
         rf = "-" if r["ratio_floor"] is None else f"{r['ratio_floor']:.2f}"
         out.append(f"{left} {str(r['block_q']) + 'x' + str(r['block_k']):>9} "
                    f"{r['tile_cycles']:6d} {r['step_cycles']:5d} {r['occupancy']:5.0%} "
