@@ -34,7 +34,7 @@ import sys
 from pathlib import Path
 
 from flashlab.instruments import tpu_dump, tpu_schedule as ts
-from flashlab.benchmarks.tpu_static import _commit, _positive, chip_clock
+from flashlab.benchmarks.tpu_static import _positive, chip_clock, report_run
 
 __all__ = ["build", "read_official", "OfficialSchedule", "measure", "header", "table",
            "stored", "STORED", "main"]
@@ -51,7 +51,6 @@ def build(*, chip: str, library: str, batch: int, kv_heads: int, group: int, pag
     :func:`~flashlab.instruments.decode_cases.official_paged_step_case` with ``q_heads = kv_heads x
     group``, one new token per sequence. ``info["num_splits"]``: flashlab's split-K count."""
     from flashlab.instruments import decode_cases
-    from flashlab.kernels import decode
     from flashlab.kernels import decode_grid
     kw = dict(batch=batch, q_heads=kv_heads * group, kv_heads=kv_heads, head_dim=head_dim,
               page_size=page_size, pages_per_sequence=pages_per_sequence, dtype=dtype)
@@ -335,15 +334,7 @@ def main(argv=None) -> int:
         group=a.group, tokens=a.tokens, head_dim=a.head_dim, dtype=a.dtype,
         pages_per_compute_block=a.pages_per_compute_block, timeout=a.timeout,
         progress=not a.no_progress)
-    args = dict(vars(a), commit=_commit(), command="python -m flashlab bench decode-static "
-                + " ".join(sys.argv[1:] if argv is None else argv))
-    print(header(versions, args))
-    print()
-    print(table(rows))
-    if a.json:
-        Path(a.json).write_text(json.dumps(dict(versions=versions, args=args, rows=rows),
-                                           indent=1) + "\n")
-        print(f"\nwrote {a.json}")
+    report_run(a, argv, "decode-static", rows, versions, header=header, table=table)
     return 0
 
 

@@ -36,9 +36,7 @@ TIMELINE_UNITS = ("MXU", "XLU", "VALU", "VPOP", "EUP", "VLOAD", "VSTORE", "SALU"
 def _flashlab(chip, backward, causal, block, shape, dtype):
     import jax
     from flashlab.contract import masks
-    from flashlab.kernels import backward as bw
     from flashlab.kernels import backward_grid
-    from flashlab.kernels import forward_grid
     from flashlab.kernels import forward_config
     from flashlab.kernels import flash
     B, T, H, d = shape
@@ -271,6 +269,21 @@ def _commit() -> str:
         return "?"
 
 
+def report_run(a, argv, subcommand: str, rows, versions, *, header, table) -> dict:
+    """The tail every static bench shares: record the run (its command line and commit),
+    print ``header`` and ``table``, and write ``--json``. Returns the recorded ``args``."""
+    args = dict(vars(a), commit=_commit(), command=f"python -m flashlab bench {subcommand} "
+                + " ".join(sys.argv[1:] if argv is None else argv))
+    print(header(versions, args))
+    print()
+    print(table(rows))
+    if a.json:
+        Path(a.json).write_text(json.dumps(dict(versions=versions, args=args, rows=rows),
+                                           indent=1) + "\n")
+        print(f"\nwrote {a.json}")
+    return args
+
+
 def _positive(name):
     def parse(text):
         try:
@@ -353,15 +366,7 @@ def main(argv=None) -> int:
         seq_len=a.seq_len, heads=a.heads, head_dim=a.head_dim, dtype=a.dtype, causal=a.causal,
         kernels=a.kernel, timeline_chip=a.timeline_chip, timeout=a.timeout,
         progress=not a.no_progress, jobs_in_parallel=a.jobs, sweep=sweep)
-    args = dict(vars(a), commit=_commit(), command="python -m flashlab bench tpu-static "
-                + " ".join(sys.argv[1:] if argv is None else argv))
-    print(header(versions, args))
-    print()
-    print(table(rows))
-    if a.json:
-        Path(a.json).write_text(json.dumps(dict(versions=versions, args=args, rows=rows),
-                                           indent=1) + "\n")
-        print(f"\nwrote {a.json}")
+    args = report_run(a, argv, "tpu-static", rows, versions, header=header, table=table)
     if a.update:
         update_rows(a.update, rows, versions=versions, command=args["command"],
                     commit=args["commit"])
