@@ -125,3 +125,28 @@ def test_grid_spec_is_what_pallas_call_gets():
     assert gs.dimension_semantics == ("parallel", "parallel", "parallel", "arbitrary")
     pgs = gs.pallas_grid_spec()
     assert pgs.num_scalar_prefetch == 2
+
+
+@pytest.mark.parametrize("d, dv, carried", [(64, 64, (64, 64)), (32, 96, (32, 96)),
+                                            (128, 128, (128, 128)), (192, 64, (256, 64))])
+def test_head_dim_below_128_is_not_padded(d, dv, carried):
+    """Below 128 lanes q, k, v, O and dQ, dK, dV are blocked at their own head_dim (a block dim
+    equal to the array dim obeys the (8, 128) rule): at d = 64 they move half the bytes of a
+    128-padded layout. Above 128 the head_dim is rounded up to a multiple of 128. Read from
+    the blocks every ``pallas_call`` of the forward and of the gradient gets."""
+    import jax
+    from flashlab.instruments import tpu_compile
+    from flashlab.kernels import flash
+    assert (blk.kernel_head_dim(d), blk.kernel_head_dim(dv)) == carried
+    B, T, N = 1, 256, 2
+    q = jax.ShapeDtypeStruct((B, T, N, d), jnp.bfloat16)
+    v = jax.ShapeDtypeStruct((B, T, N, dv), jnp.bfloat16)
+    f = lambda q, k, v: flash.flash_attention(q, k, v, is_causal=True, interpret=False)  # noqa: E731
+    g = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2))
+    calls = tpu_compile.pallas_calls(g, q, q, v, chip="v5e")
+    assert [c["name"] for c in calls] == ["flashlab_flash_forward", "flashlab_flash_backward_dkdv",
+                                          "flashlab_flash_backward_dq"], calls
+    minor = {b[-1] for c in calls for b in c["blocks"] if len(b) == 4 and b[:2] == (None, None)}
+    assert minor & {carried[0], carried[1]} and minor <= {*carried, 128, 256}, calls
+    fwd = calls[0]["blocks"]
+    assert fwd[0][-1] == carried[0] and fwd[2][-1] == carried[1], fwd   # q, v blocks

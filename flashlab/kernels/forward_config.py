@@ -17,6 +17,7 @@ import numpy as np
 from flashlab.contract.masks import AttentionSpec
 from flashlab.kernels import blocks as blk
 from flashlab.kernels import visit
+from flashlab.kernels.tiling import kernel_head_dim
 
 
 
@@ -74,11 +75,13 @@ class ForwardConfig:
 
     @property
     def head_dim_p(self) -> int:
-        return blk.lane_pad(self.head_dim)
+        """head_dim as the kernels carry it (:func:`~flashlab.kernels.tiling.kernel_head_dim`:
+        unpadded below 128)."""
+        return kernel_head_dim(self.head_dim)
 
     @property
     def head_dim_v_p(self) -> int:
-        return blk.lane_pad(self.head_dim_v)
+        return kernel_head_dim(self.head_dim_v)
 
     @property
     def num_q_blocks(self) -> int:
