@@ -209,6 +209,12 @@ def measure(*, chips, libraries=LIBRARIES, modes=("default", "equal"), block=512
     def one(job):
         c, lib, m, bwd = job
         blk = None if m == "default" else m[1] if isinstance(m, tuple) else block
+        if lib == "flashlab":     # flashlab's own VMEM check refusing the blocks is a result
+            try:
+                build(chip=c, library=lib, backward=bwd, dtype=dtype, causal=causal, block=blk,
+                      **shape)
+            except ValueError as e:
+                return e
         try:
             return tpu_dump.schedules("flashlab.benchmarks.tpu_static:build", c, timeout=timeout,
                                       library=lib, backward=bwd, dtype=dtype, causal=causal,
@@ -231,12 +237,13 @@ def measure(*, chips, libraries=LIBRARIES, modes=("default", "equal"), block=512
             if bar is not None:
                 bar.update()
     for (c, lib, m, bwd), d in zip(jobs, results):
+        pair = dict(zip(("block_q", "block_k"), m[1])) if isinstance(m, tuple) else {}
         m = m[0] if isinstance(m, tuple) else m
         if isinstance(d, Exception):
             e = d
             for role in (("dq", "dkdv") if bwd else ("forward",)):
                 if role in kernels:
-                    rows.append(dict(chip=c, library=lib, kernel=role, blocks=m,
+                    rows.append(dict(chip=c, library=lib, kernel=role, blocks=m, **pair,
                                      error=" ".join(str(e).split())[:300]))
         else:
             versions = dict(jax=d.jax_version, libtpu=d.libtpu_version)
@@ -323,8 +330,9 @@ def parser() -> argparse.ArgumentParser:
                         "every library (rows with blocks 'sweep')")
     p.add_argument("--json", metavar="PATH", help="write the rows and header as JSON")
     p.add_argument("--blocks-table", metavar="PATH",
-                   help="store flashlab's fastest forward blocks of this run per (chip, shape "
-                        "class) in PATH (flashlab/data/tpu_blocks.json: the default blocks)")
+                   help="store flashlab's fastest forward blocks, and its fastest backward "
+                        "blocks (dQ + dK/dV), of this run per (chip, shape class) in PATH "
+                        "(flashlab/data/tpu_blocks.json: the default blocks)")
     p.add_argument("--update", metavar="PATH",
                    help="replace the rows of the stored run PATH with the same (chip, library, "
                         "kernel, blocks) by this run's, recording command and commit per row")
@@ -377,7 +385,8 @@ def main(argv=None) -> int:
                                                  commit=args["commit"], versions=versions)
         tuned_blocks.write(a.blocks_table, entries)
         for e in entries:
-            print(f"{a.blocks_table}: {e['chip']} causal={e['causal']} d={e['head_dim']} "
+            print(f"{a.blocks_table}: {e['kernel']} {e['chip']} causal={e['causal']} "
+                  f"d={e['head_dim']} "
                   f"T in [{e['seq_min']}, {e['seq_max']}]: {e['block_q']}x{e['block_k']}")
     if a.plot:
         from flashlab.viz.tpu_schedule import static_estimates_figure

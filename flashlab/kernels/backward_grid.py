@@ -53,7 +53,7 @@ def make_backward_config(spec: AttentionSpec, *, block_q=None, block_k=None,
     dt = jnp.dtype(spec.dtype)
     kw = forward_config.block_kwargs(spec)
     auto_q, auto_k = blk.choose_backward_block_sizes(spec.q_len, spec.kv_len, spec.head_dim, dt,
-                                                     chip, **kw)
+                                                     chip, is_causal=spec.is_causal, **kw)
     auto_q = blk.round_up(auto_q, blk.LANES)
     bq = auto_q if block_q is None else blk.round_up(block_q, blk.LANES)
     bk = auto_k if block_k is None else block_k

@@ -26,9 +26,9 @@ import numpy as np
 from flashlab.compat import pallas as compat
 from flashlab.contract import device
 from flashlab.kernels import tuned_blocks
-from flashlab.kernels.tiling import LANES, SUBLANES, lane_pad, round_up, sublane_tile
+from flashlab.kernels.tiling import LANES, SUBLANES, kernel_head_dim, lane_pad, round_up, sublane_tile
 
-__all__ = ["LANES", "SUBLANES", "VMEM_BYTES", "sublane_tile", "round_up", "lane_pad",
+__all__ = ["LANES", "SUBLANES", "VMEM_BYTES", "sublane_tile", "round_up", "lane_pad", "kernel_head_dim",
            "vmem_capacity_bytes", "vmem_budget_bytes", "vmem_bytes", "choose_block_sizes",
            "check_block_sizes", "kv_block_range", "resolve_chip", "vmem_limit_bytes",
            "clamp_block", "num_visible_blocks", "div_nonneg", "q_block_range",
@@ -369,18 +369,30 @@ def _backward_fits(bq, bk, head_dim, dtype, chip, **kw) -> bool:
 
 def choose_backward_block_sizes(q_len: int, kv_len: int, head_dim: int, dtype,
                                 chip: str | None = None, *, head_dim_v: int | None = None,
-                                bias_dtype=None, has_mask=False, has_segments=False
-                                ) -> tuple[int, int]:
+                                bias_dtype=None, has_mask=False, has_segments=False,
+                                is_causal: bool | None = None) -> tuple[int, int]:
     """Default ``(block_q, block_k)`` of the backward kernels for a problem on a chip.
 
-    The backward holds four ``[B_r, B_c]`` float32 temporaries (S, P, dP, dS) and twice the
-    pipelined blocks of the forward, so it starts smaller: ``B_r = B_c = 512`` (never larger
-    than the padded sequence), then halves B_c, then B_r, until :func:`backward_vmem_bytes`
-    fits :func:`vmem_budget_bytes` of ``chip``. Same tiling rule as the forward.
+    With ``is_causal`` given, first the measured table (:mod:`flashlab.kernels.tuned_blocks`,
+    ``kernel="backward"``: the pair with the lowest dQ + dK/dV static estimate per chip and
+    shape class) if the request falls in a measured class and the pair fits. Else the
+    heuristic: the backward holds four ``[B_r, B_c]`` float32 temporaries (S, P, dP, dS) and
+    twice the pipelined blocks of the forward, so it starts smaller: ``B_r = B_c = 512``
+    (never larger than the padded sequence), then halves B_c, then B_r, until
+    :func:`backward_vmem_bytes` fits :func:`vmem_budget_bytes` of ``chip``. Same tiling rule
+    as the forward.
     """
     rule = _sublane_rule(dtype, bias_dtype, has_mask)
     kw = dict(head_dim_v=head_dim_v, bias_dtype=bias_dtype, has_mask=has_mask,
               has_segments=has_segments)
+    if is_causal is not None:
+        e = tuned_blocks.lookup(q_len, kv_len, head_dim, dtype, resolve_chip(chip),
+                                is_causal=is_causal, kernel="backward")
+        if (e is not None and e["block_q"] % max(rule, LANES) == 0 and e["block_k"] % LANES == 0
+                and e["block_q"] <= round_up(q_len, LANES)
+                and e["block_k"] <= round_up(kv_len, LANES)
+                and _backward_fits(e["block_q"], e["block_k"], head_dim, dtype, chip, **kw)):
+            return e["block_q"], e["block_k"]
     bq = min(512, round_up(q_len, rule))
     bk = min(512, round_up(kv_len, LANES))
     return _shrink_to_fit(lambda bq, bk: _backward_fits(bq, bk, head_dim, dtype, chip, **kw),

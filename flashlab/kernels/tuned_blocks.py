@@ -1,13 +1,16 @@
-"""Default forward blocks per TPU generation, as data: the winners of the static bench's sweep.
+"""Default blocks per TPU generation, as data: the winners of the static bench's sweep.
 
 ``python -m flashlab bench tpu-static --sweep ... --blocks-table flashlab/data/tpu_blocks.json``
-compiles the forward at each ``block_q x block_k`` pair with the real TPU compiler, estimates
-the whole kernel from its static schedule, and stores the fastest pair per (chip, shape
-class) here, with the figures of every pair it tried, the command and the commit. A shape
-class is (chip, dtype, causal, head_dim padded to 128 lanes, sequence length within a factor
-of two of the measured one: ``[T/2, 2T)``). :func:`flashlab.kernels.blocks.choose_block_sizes`
-takes the table's pair when the request falls in a class and the pair fits the chip's VMEM
-and the tiling rule; otherwise the VMEM-fit heuristic (the fallback for unmeasured shapes).
+compiles the kernels at each ``block_q x block_k`` pair with the real TPU compiler, estimates
+each whole kernel from its static schedule, and stores the fastest pair per (kernel, chip,
+shape class) here, with the figures of every pair it tried, the command and the commit.
+``kernel`` is ``"forward"`` or ``"backward"`` (the dQ and dK/dV kernels share their blocks, so
+a backward pair is ranked by the sum of their two estimates). A shape class is (chip, dtype,
+causal, head_dim padded to 128 lanes, sequence length within a factor of two of the measured
+one: ``[T/2, 2T)``). :func:`flashlab.kernels.blocks.choose_block_sizes` and
+:func:`~flashlab.kernels.blocks.choose_backward_block_sizes` take the table's pair when the
+request falls in a class and the pair fits the chip's VMEM and the tiling rule; otherwise the
+VMEM-fit heuristic (the fallback for unmeasured shapes).
 
 Static estimates: no DMA stalls, no HBM bandwidth. They rank block sizes on one compiler's
 schedule; calibrate on a real TPU when one is available.
@@ -20,9 +23,10 @@ from pathlib import Path
 
 from flashlab.kernels.tiling import lane_pad
 
-__all__ = ["TABLE", "table", "lookup", "class_of", "entries_from_rows", "write"]
+__all__ = ["TABLE", "KERNELS", "table", "lookup", "class_of", "entries_from_rows", "write"]
 
 TABLE = Path(__file__).parent.parent / "data" / "tpu_blocks.json"
+KERNELS = ("forward", "backward")
 
 
 @functools.lru_cache(maxsize=4)
@@ -34,26 +38,31 @@ def _load(path: str) -> tuple:
 
 
 def table(path=None) -> list[dict]:
-    """The committed entries: each ``{chip, dtype, causal, head_dim, seq_min, seq_max,
+    """The committed entries: each ``{kernel, chip, dtype, causal, head_dim, seq_min, seq_max,
     block_q, block_k, est_cycles, tried: [{block_q, block_k, est_cycles}], measured_at,
-    command, commit, versions}``."""
-    return [dict(e) for e in _load(str(path or TABLE))]
+    command, commit, versions}`` (an entry without ``kernel`` is a forward one)."""
+    return [dict(e, kernel=e.get("kernel", "forward")) for e in _load(str(path or TABLE))]
 
 
-def class_of(chip: str, dtype, causal: bool, head_dim: int, seq_len: int) -> dict:
+def class_of(chip: str, dtype, causal: bool, head_dim: int, seq_len: int, *,
+             kernel: str = "forward") -> dict:
     """The shape class a measurement at ``seq_len`` stands for."""
     import jax.numpy as jnp
-    return dict(chip=chip, dtype=jnp.dtype(dtype).name, causal=bool(causal),
+    return dict(kernel=kernel, chip=chip, dtype=jnp.dtype(dtype).name, causal=bool(causal),
                 head_dim=lane_pad(head_dim), seq_min=seq_len // 2, seq_max=2 * seq_len - 1)
 
 
 def lookup(q_len: int, kv_len: int, head_dim: int, dtype, chip: str, *, is_causal: bool,
-           path=None) -> dict | None:
-    """The table entry for a request, or ``None`` when no measured class holds it."""
+           kernel: str = "forward", path=None) -> dict | None:
+    """The table entry of ``kernel`` (``"forward"`` or ``"backward"``) for a request, or
+    ``None`` when no measured class holds it."""
     import jax.numpy as jnp
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel: expected one of {KERNELS}, got {kernel!r}")
     name, d = jnp.dtype(dtype).name, lane_pad(head_dim)
     for e in table(path):
-        if (e["chip"] == chip and e["dtype"] == name and e["causal"] == bool(is_causal)
+        if (e["kernel"] == kernel and e["chip"] == chip and e["dtype"] == name
+                and e["causal"] == bool(is_causal)
                 and e["head_dim"] == d and e["seq_min"] <= q_len <= e["seq_max"]
                 and e["seq_min"] <= kv_len <= e["seq_max"]):
             return e
@@ -61,21 +70,29 @@ def lookup(q_len: int, kv_len: int, head_dim: int, dtype, chip: str, *, is_causa
 
 
 def entries_from_rows(rows, *, dtype: str, command: str, commit: str, versions: dict) -> list:
-    """One entry per (chip, shape) from a bench run's flashlab forward rows: the pair with the
-    lowest whole-kernel estimate, and every pair tried."""
+    """One entry per (kernel, chip, shape) from a bench run's flashlab rows: the pair with the
+    lowest whole-kernel estimate, and every pair tried. A backward pair's estimate is its dQ
+    plus its dK/dV estimate; a pair with only one of the two measured is not ranked."""
     groups = {}
     for r in rows:
-        if r.get("library") != "flashlab" or r.get("kernel") != "forward" or "error" in r:
+        if r.get("library") != "flashlab" or "error" in r:
             continue
-        groups.setdefault((r["chip"], r["causal"], r["head_dim"], r["seq_len"]), []).append(r)
+        kernel = "forward" if r.get("kernel") == "forward" else "backward"
+        groups.setdefault((kernel, r["chip"], r["causal"], r["head_dim"], r["seq_len"]),
+                          []).append(r)
     out = []
-    for (chip, causal, d, T), rs in groups.items():
-        tried = {}
+    for (kernel, chip, causal, d, T), rs in groups.items():
+        per = {}                           # (bq, bk) -> {kernel role: lowest estimate}
         for r in rs:
-            k = (r["block_q"], r["block_k"])
-            tried[k] = min(tried.get(k, r["est_cycles"]), r["est_cycles"])
+            k = per.setdefault((r["block_q"], r["block_k"]), {})
+            k[r["kernel"]] = min(k.get(r["kernel"], r["est_cycles"]), r["est_cycles"])
+        need = 1 if kernel == "forward" else 2
+        tried = {k: sum(v.values()) for k, v in per.items() if len(v) == need}
+        if not tried:
+            continue
         (bq, bk), est = min(tried.items(), key=lambda t: t[1])
-        out.append(dict(class_of(chip, dtype, causal, d, T), block_q=bq, block_k=bk,
+        out.append(dict(class_of(chip, dtype, causal, d, T, kernel=kernel), block_q=bq,
+                        block_k=bk,
                         est_cycles=est, measured_at=dict(seq_len=T, batch=rs[0].get("batch"),
                                                          heads=rs[0].get("heads")),
                         tried=[dict(block_q=q, block_k=k, est_cycles=c)
@@ -88,7 +105,8 @@ def write(path, entries) -> list:
     """Replace the entries of ``path`` with the same shape class by ``entries``."""
     p = Path(path)
     old = json.loads(p.read_text())["entries"] if p.exists() else []
-    key = lambda e: (e["chip"], e["dtype"], e["causal"], e["head_dim"], e["seq_min"])  # noqa: E731
+    key = lambda e: (e.get("kernel", "forward"), e["chip"], e["dtype"], e["causal"],  # noqa: E731
+                     e["head_dim"], e["seq_min"])
     new = {key(e): e for e in entries}
     out = [e for e in old if key(e) not in new] + list(new.values())
     p.write_text(json.dumps(dict(note=__doc__.split("\n\n")[0], entries=out), indent=1) + "\n")
