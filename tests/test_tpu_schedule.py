@@ -170,3 +170,18 @@ def test_bench_records_flashlab_vmem_refusal_as_a_row():
     assert [(r["kernel"], r["block_q"], r["block_k"]) for r in rows] == \
         [("dq", 1024, 1024), ("dkdv", 1024, 1024)], rows
     assert all(r["error"].startswith("block_q, block_k: (1024, 1024) need about") for r in rows)
+
+
+def test_update_rows_replaces_only_the_same_shape(tmp_path):
+    """--update replaces a stored row by (chip, library, kernel, blocks, shape[, pair]): a run
+    at another sequence length or head_dim adds rows, a re-run of the same shape replaces."""
+    from flashlab.benchmarks import tpu_static_report as rep
+    p = tmp_path / "run.json"
+    row = dict(chip="v5e", library="flashlab", kernel="forward", blocks="equal", seq_len=8192,
+               head_dim=128, causal=True, est_cycles=1)
+    rep.update_rows(p, [row], versions={}, command="a", commit="c")
+    rep.update_rows(p, [dict(row, seq_len=2048, est_cycles=2), dict(row, head_dim=64)],
+                    versions={}, command="b", commit="c")
+    doc = rep.update_rows(p, [dict(row, est_cycles=3)], versions={}, command="c", commit="c")
+    got = sorted((r["seq_len"], r["head_dim"], r["est_cycles"], r["command"]) for r in doc["rows"])
+    assert got == [(2048, 128, 2, "b"), (8192, 64, 1, "b"), (8192, 128, 3, "c")]

@@ -244,6 +244,7 @@ def measure(*, chips, libraries=LIBRARIES, modes=("default", "equal"), block=512
             for role in (("dq", "dkdv") if bwd else ("forward",)):
                 if role in kernels:
                     rows.append(dict(chip=c, library=lib, kernel=role, blocks=m, **pair,
+                                     **shape, causal=causal,
                                      error=" ".join(str(e).split())[:300]))
         else:
             versions = dict(jax=d.jax_version, libtpu=d.libtpu_version)

@@ -17,12 +17,12 @@ ROLE_LABEL = {"forward": "forward", "dq": "dQ", "dkdv": "dK/dV"}
 
 
 def _row_key(r) -> tuple:
-    """Rows replace each other by (chip, library, kernel, blocks) and, for sweep rows, blocks
-    and shape (a sweep has one row per block pair and shape)."""
-    k = (r["chip"], r["library"], r["kernel"], r["blocks"])
+    """Rows replace each other by (chip, library, kernel, blocks, shape) and, for sweep rows,
+    block pair (a sweep has one row per block pair)."""
+    k = (r["chip"], r["library"], r["kernel"], r["blocks"], r.get("seq_len"), r.get("head_dim"),
+         r.get("causal"))
     if r["blocks"] == "sweep":
-        k += (r.get("block_q"), r.get("block_k"), r.get("seq_len"), r.get("head_dim"),
-              r.get("causal"))
+        k += (r.get("block_q"), r.get("block_k"))
     return k
 
 
@@ -150,9 +150,57 @@ def table(rows) -> str:
     return "\n".join(out)
 
 
+def backward_pairs(rows) -> dict:
+    """``{(chip, library): {(block_q, block_k): (dq_row, dkdv_row)}}``: the block pairs with
+    both backward kernels measured (default, equal and sweep rows; the two kernels of one
+    library share their blocks, so a pair is ranked by the sum of their estimates)."""
+    by = {}
+    for r in rows:
+        if (r.get("kernel") in ("dq", "dkdv") and "error" not in r
+                and r.get("est_ms") is not None):
+            k = by.setdefault((r["chip"], r["library"]), {}).setdefault(
+                (r["block_q"], r["block_k"]), {})
+            k[r["kernel"]] = r
+    return {ck: {p: (v["dq"], v["dkdv"]) for p, v in pairs.items() if len(v) == 2}
+            for ck, pairs in by.items()}
+
+
+def backward_sweep_table(rows) -> str:
+    """dQ + dK/dV estimates (ms) per chip, library and block pair, the best pair marked ``*``,
+    and flashlab's best against the better of splash's and jax's best."""
+    pairs = backward_pairs(rows)
+    cols = sorted({p for v in pairs.values() for p in v})
+    out = [f"{'chip':4} {'library':17} " + " ".join(f"{f'{q}x{k}':>10}" for q, k in cols)
+           + f" {'x best other':>12}"]
+    for chip in dict.fromkeys(c for c, _ in pairs):
+        best = {lib: min(sum(r["est_ms"] for r in v) for v in pairs[chip, lib].values())
+                for c, lib in pairs if c == chip}
+        others = [best[k] for k in ("splash", "jax_pallas_flash") if k in best]
+        for lib in LIBRARIES:
+            if (chip, lib) not in pairs:
+                continue
+            cells = []
+            for p in cols:
+                v = pairs[chip, lib].get(p)
+                t = None if v is None else sum(r["est_ms"] for r in v)
+                cells.append(f"{'-' if t is None else f'{t:.2f}' + ('*' if t == best[lib] else ' '):>10}")
+            ratio = (f"{best[lib] / min(others):.2f}" if lib == "flashlab" and others else "")
+            out.append(f"{chip:4} {lib:17} " + " ".join(cells) + f" {ratio:>12}")
+    return "\n".join(out)
+
+
 def training_step_table(rows, *, blocks="equal") -> str:
     """Forward + dQ + dK/dV whole-kernel estimates per chip and library (one training step's
-    attention), with the ratio to splash: what ``auto``'s order on a TPU should follow."""
+    attention), with the ratio to splash: what ``auto``'s order on a TPU should follow.
+
+    ``blocks``: ``"equal"`` or ``"default"`` (those rows), or ``"best"``: each library's
+    fastest forward blocks plus its fastest backward pair (:func:`backward_pairs`)."""
+    if blocks == "best":
+        fwd = best_blocks(rows, kernel="forward")
+        rows = [r for (c, lib), pairs in backward_pairs(rows).items() if (c, lib) in fwd
+                for r in min(pairs.values(), key=lambda v: v[0]["est_ms"] + v[1]["est_ms"])
+                + (fwd[c, lib],)]
+        rows = [dict(r, blocks="best") for r in rows]
     out = [f"{'chip':4} {'library':17} {'fwd+bwd est ms':>14} {'x floor':>7} {'x splash':>8}"]
     by = {}
     for r in rows:
