@@ -105,6 +105,21 @@ def target_table(rows, *, kernel: str = "forward", target: float | None = None) 
     return "\n".join(out)
 
 
+def shape_of(r) -> str:
+    """A row's shape as a heading: ``B=2 T=8192 H=16 d=128 causal``."""
+    return (f"B={r.get('batch')} T={r.get('seq_len')} H={r.get('heads')} d={r.get('head_dim')} "
+            f"{'causal' if r.get('causal') else 'non-causal'}")
+
+
+def target_tables_by_shape(rows, *, kernel: str = "forward") -> str:
+    """:func:`target_table` once per shape among ``rows`` (a run stored at several shapes:
+    ``data/tpu_static_shapes.json``), each under its shape."""
+    out = []
+    for shape in dict.fromkeys(shape_of(r) for r in rows if r.get("kernel") == kernel):
+        out += [shape, target_table([r for r in rows if shape_of(r) == shape], kernel=kernel), ""]
+    return "\n".join(out).rstrip()
+
+
 def header(versions: dict, args: dict) -> str:
     """What the figures are and are not, with the versions, shape and commit."""
     return "\n".join([
