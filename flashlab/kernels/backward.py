@@ -96,7 +96,9 @@ def _tile(ins, cfg: ForwardConfig, q_start, k_start, q_len, kv_len, *, transpose
     else:
         lse = jnp.tile(ins["stats"][:, :L], (1, bk // L))
         di = jnp.tile(ins["stats"][:, L:], (1, bk // L))
-    p = jnp.exp2(jnp.where(visible, s, -jnp.inf) - lse)          # masked: exp2(-inf) = 0
+    if visible is not None:                                       # None: nothing masked
+        s = jnp.where(visible, s, -jnp.inf)
+    p = jnp.exp2(s - lse)                                         # masked: exp2(-inf) = 0
     dp = jax.lax.dot_general(*((v, do) if transposed else (do, v)), nt,
                              preferred_element_type=jnp.float32)
     ds = p * (dp - di)

@@ -127,23 +127,7 @@ def _q_side_operands(cfg, q_map, kv_map, scores_map_for, qseg_map, kvseg_map,
     return names + n2, specs + s2, shapes + sh2
 
 
-class _Const:
-    """``lengths[b] -> n`` for every ``b``: a length known when the kernel is built."""
-
-    def __init__(self, n: int):
-        self.n = n
-
-    def __getitem__(self, b) -> int:
-        return self.n
-
-
-def _lengths(cfg, q_lengths, kv_lengths):
-    """The lengths index maps and kernels read: Python ints when they are static (none
-    given, no kv padding, no offsets), so every block range folds to a few scalar ops per
-    grid step instead of SMEM loads, divisions and clamps (~110 cycles per step on v6e)."""
-    if cfg.mask_q_len or cfg.mask_kv_len or cfg.has_offsets:
-        return q_lengths, kv_lengths
-    return _Const(cfg.q_len), _Const(cfg.kv_len)
+_lengths = forward_grid.static_lengths
 
 
 def _static_maps(cfg, f):

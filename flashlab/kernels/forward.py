@@ -38,7 +38,8 @@ from flashlab.kernels import blocks as blk
 from flashlab.kernels import visit
 from flashlab.kernels.refs import RefNames, name_refs
 from flashlab.compat.pallas import pl
-from flashlab.kernels.forward_grid import ForwardGridSpec, forward_grid_spec, global_starts, sinks_operand
+from flashlab.kernels.forward_grid import (ForwardGridSpec, forward_grid_spec, global_starts,
+                                           sinks_operand, static_lengths)
 from flashlab.kernels.forward_config import ForwardConfig, make_config
 
 __all__ = ["flash_attention_forward"]
@@ -79,12 +80,17 @@ def scores_block(ins, name: str, cfg: ForwardConfig):
 def tile_visible(ins, cfg: ForwardConfig, q_start, k_start, q_len, kv_len, *,
                  transposed: bool = False):
     """Which scores of one tile are visible: bool ``[B_r, B_c]`` (``[B_c, B_r]`` when
-    ``transposed``, the dK/dV kernel's ``Sᵀ``), from the operand refs ``ins``.
+    ``transposed``, the dK/dV kernel's ``Sᵀ``), from the operand refs ``ins``; ``None`` when
+    the request masks nothing (no causal, window, lengths, padding, segments or mask: every
+    score is visible, and an all-true select would still cost a VPU op per score).
 
     The one mask definition (:func:`masks.structural_visible` on iota positions, at global
     positions ``q_start``/``k_start``), the segment ids and the dense mask. Shared by the
     forward and the three backward kernels.
     """
+    if not (cfg.is_causal or cfg.window is not None or cfg.mask_q_len or cfg.mask_kv_len
+            or cfg.has_segments or "mask" in ins):
+        return None
     bq, bk, L = cfg.block_q, cfg.block_k, blk.LANES
     shape, q_axis = ((bk, bq), 1) if transposed else ((bq, bk), 0)
     q_pos = q_start + jax.lax.broadcasted_iota(jnp.int32, shape, q_axis)
@@ -120,7 +126,9 @@ def _forward_kernel(*refs, cfg: ForwardConfig, names: RefNames):
     m_ref, l_ref, acc_ref = ins["m"], ins["l"], ins["acc"]
     b = pl.program_id(0)
     bq, bk = cfg.block_q, cfg.block_k
-    q_len, kv_len = ins["q_lengths"][b], ins["kv_lengths"][b]    # int32 scalars from SMEM
+    # int32 scalars from SMEM, or Python ints when no lengths, padding or offsets are given
+    q_lens, kv_lens = static_lengths(cfg, ins["q_lengths"], ins["kv_lengths"])
+    q_len, kv_len = q_lens[b], kv_lens[b]
     if cfg.visit_grid:
         i, j, flags = visit.unpack(ins["visits"][pl.program_id(2)])
         first, last = (flags & visit.FIRST) != 0, (flags & visit.LAST) != 0

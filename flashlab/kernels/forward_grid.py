@@ -24,7 +24,7 @@ from flashlab.compat.pallas import pl
 from flashlab.kernels.forward_config import (
     ForwardConfig)
 
-__all__ = ["ForwardGridSpec", "IndexMaps", "forward_grid_spec", "global_starts", "index_maps", "mask_operands", "offset_shift", "sinks_operand", "visit_index_maps"]
+__all__ = ["ForwardGridSpec", "IndexMaps", "forward_grid_spec", "global_starts", "index_maps", "mask_operands", "offset_shift", "sinks_operand", "static_lengths", "visit_index_maps"]
 
 # ----------------------------------------------------------------------------- grid as data
 
@@ -104,7 +104,27 @@ class ForwardGridSpec:
         return (self.in_shapes + self.out_shapes)[names.index(name)]
 
 
+class _Const:
+    """``lengths[b] -> n`` for every ``b``: a length known when the kernel is built."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __getitem__(self, b) -> int:
+        return self.n
+
+
+def static_lengths(cfg, q_lengths, kv_lengths):
+    """The lengths index maps and kernels read: Python ints when they are static (none
+    given, no kv padding, no offsets), so every block range folds to a few scalar ops per
+    grid step instead of SMEM loads, divisions and clamps (~110 cycles per step on v6e)."""
+    if cfg.mask_q_len or cfg.mask_kv_len or cfg.has_offsets:
+        return q_lengths, kv_lengths
+    return _Const(cfg.q_len), _Const(cfg.kv_len)
+
+
 def _kv_range(cfg: ForwardConfig, b, i, q_lengths, kv_lengths, offsets=None):
+    q_lengths, kv_lengths = static_lengths(cfg, q_lengths, kv_lengths)
     return blk.kv_block_range(i, q_lengths[b], kv_lengths[b], block_q=cfg.block_q,
                               block_k=cfg.block_k,
                               is_causal=cfg.is_causal, window=cfg.window,
