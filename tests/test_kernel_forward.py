@@ -194,3 +194,32 @@ def test_tpu_interpret_mode_no_races_no_uninitialized_reads(case):
     got, _ = _check(q, k, v, kw, dtype=case["dtype"], interpret=params,
                     block_q=case["bq"], block_k=case["bk"])
     assert compat.races_found() is False
+
+
+@pytest.mark.parametrize("chip, causal, log2", [("v5e", True, False), ("v6e", True, True),
+                                                ("v5e", False, True), ("7x", False, True)])
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
+def test_log2_scores_match_the_oracle(chip, causal, log2, dtype):
+    """Both score paths of the forward (forward_config.KEEP_NATURAL_SCORES: natural logits,
+    or scale·log2(e) folded into the query block with a base-2 online softmax) give the
+    oracle's output at the stated tolerances and its lse within 1e-5 (float32), with a bias
+    and sinks (and kv lengths, causal); the chip only picks the path (both run interpreted
+    here)."""
+    from flashlab.kernels.forward_config import make_config
+    rng = np.random.default_rng(11)
+    B, T, N, H = 2, 128, 2, 64          # T a multiple of 128: no kv padding to mask
+    q, k, v = random_qkv(rng, B, T, T, N, N, H)
+    kw = {"bias": rng.standard_normal((1, N, T, T)).astype(np.float32), "is_causal": causal}
+    if causal:     # a masked tile either way (lengths alone also mask: v5e keeps natural)
+        kw["key_value_seq_lengths"] = np.array([128, 77], np.int32)
+    sinks = rng.standard_normal(N).astype(np.float32)
+    qj, kj, vj = (jnp.asarray(x, dtype) for x in (q, k, v))
+    *_, spec = validate(qj, kj, vj, **kw, sinks=sinks)
+    assert make_config(spec, chip=chip).log2_scores is log2
+    out, lse = flash_attention_forward(qj, kj, vj, spec, interpret=True, chip=chip)
+    f32 = [np.asarray(x.astype(jnp.float32)) for x in (qj, kj, vj)]
+    ref, ref_lse = oracle_attention(*f32, **kw, sinks=sinks, return_lse=True)
+    err = np.abs(np.asarray(out.astype(jnp.float32)) - ref).max()
+    assert err <= (F32_TOL if dtype == np.float32 else BF16_TOL), err
+    lse_tol = 1e-5 if dtype == np.float32 else BF16_TOL
+    assert np.abs(np.asarray(lse) - ref_lse).max() <= lse_tol

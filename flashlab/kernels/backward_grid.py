@@ -17,7 +17,6 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from flashlab.contract.masks import AttentionSpec
 from flashlab.compat import pallas as compat
@@ -25,6 +24,7 @@ from flashlab.kernels import blocks as blk
 from flashlab.kernels import forward_grid
 from flashlab.kernels import forward_config
 from flashlab.compat.pallas import pl
+from flashlab.ladder import online_softmax
 
 
 __all__ = ["ForwardConfig", "LSE_ROW", "D_ROW", "LOG2E", "BackwardGridSpec", "STATS_LANES", "backward_grid_specs", "dbias_config", "dbias_grid_spec", "dkdv_grid_spec", "dq_grid_spec", "make_backward_config", "prefetch_names"]
@@ -36,7 +36,7 @@ ForwardConfig = forward_config.ForwardConfig
 # positions on lanes, as its transposed tile [B_c, B_r] wants them.
 STATS_LANES = 2 * blk.LANES
 LSE_ROW, D_ROW = 0, 1
-LOG2E = float(np.log2(np.e))       # lse is stored (and P computed) in log2 units
+LOG2E = online_softmax.LOG2E       # lse is stored (and P computed) in log2 units
 
 
 def make_backward_config(spec: AttentionSpec, *, block_q=None, block_k=None,

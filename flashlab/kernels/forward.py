@@ -44,6 +44,8 @@ from flashlab.kernels.forward_config import ForwardConfig, make_config
 
 __all__ = ["flash_attention_forward"]
 
+LOG2E = online_softmax.LOG2E        # natural-log logits -> log2 units
+
 # ----------------------------------------------------------------------------- the kernel
 
 def score_tile(ins, cfg: ForwardConfig, q_start, k_start, q_len, kv_len):
@@ -51,9 +53,19 @@ def score_tile(ins, cfg: ForwardConfig, q_start, k_start, q_len, kv_len):
 
     ``s = cap·tanh(scale·Q_i K_jᵀ / cap) + bias`` in float32, and the one mask definition
     (:func:`tile_visible`). Also returns ``tanh(·)`` (``None`` without a soft cap)
-    for the soft cap's gradient.
+    for the soft cap's gradient. With ``cfg.log2_scores`` the logits are in log2 units,
+    ``s₂ = (scale·log2(e)·Q_i) K_jᵀ + log2(e)·bias``: the scale is applied to the ``[B_r, d]``
+    query block (rounded to its dtype before the matmul) instead of to ``[B_r, B_c]`` scores.
     """
-    s = jax.lax.dot_general(ins["q"][...], ins["k"][...], (((1,), (1,)), ((), ())),  # Q Kᵀ
+    nt = (((1,), (1,)), ((), ()))                                               # Q Kᵀ
+    if cfg.log2_scores:
+        q = ins["q"][...]
+        q = (q.astype(jnp.float32) * (cfg.scale * LOG2E)).astype(q.dtype)
+        s = jax.lax.dot_general(q, ins["k"][...], nt, preferred_element_type=jnp.float32)
+        if "bias" in ins:
+            s = s + scores_block(ins, "bias", cfg) * LOG2E
+        return s, None, tile_visible(ins, cfg, q_start, k_start, q_len, kv_len)
+    s = jax.lax.dot_general(ins["q"][...], ins["k"][...], nt,
                             preferred_element_type=jnp.float32) * cfg.scale
     t = None
     if cfg.soft_cap is not None:
@@ -162,7 +174,8 @@ def _forward_kernel(*refs, cfg: ForwardConfig, names: RefNames):
         # m and l stay lane-replicated [B_r, 128] and are updated elementwise: the tile's row
         # max and row sum are the only cross-lane reductions of a step.
         state = online_softmax.State(m_ref[...], l_ref[...], acc_ref[...])
-        m, l, acc = online_softmax.update(state, s, ins["v"][...], visible=visible, lanes=True)
+        m, l, acc = online_softmax.update(state, s, ins["v"][...], visible=visible, lanes=True,
+                                          base2=cfg.log2_scores)
         m_ref[...] = m
         l_ref[...] = l
         acc_ref[...] = acc
@@ -170,11 +183,15 @@ def _forward_kernel(*refs, cfg: ForwardConfig, names: RefNames):
     @pl.when(last)
     def _finalize():                                              # O_i = acc * (1 / l)
         state = online_softmax.State(m_ref[...], l_ref[...], acc_ref[...])
+        base2 = cfg.log2_scores
         if cfg.has_sinks:                                         # + exp(sink - m) in l
             sink = jnp.broadcast_to(ins["sinks"][0:1, :], m_ref.shape)   # [B_r, 128]
+            if base2:
+                sink = sink * LOG2E
             state = online_softmax.merge(
-                state, online_softmax.sink_state(sink, acc_ref.shape[-1], lanes=True), lanes=True)
-        o, lse = online_softmax.finalize(state, lanes=True)      # lse [B_r, 128] replicated
+                state, online_softmax.sink_state(sink, acc_ref.shape[-1], lanes=True),
+                lanes=True, base2=base2)
+        o, lse = online_softmax.finalize(state, lanes=True, base2=base2)  # lse [B_r, 128]
         ins["o"][...] = o.astype(ins["o"].dtype)
         if cfg.return_lse:
             ins["lse"][...] = lse

@@ -12,6 +12,11 @@ over disjoint key sets (it is associative and commutative, so blocks may be comb
 order: tiles inside a kernel, grid steps, devices in a ring); ``finalize`` divides out ``l``.
 The tiled rung, the Pallas kernels and ring attention all call these functions.
 
+``base2=True`` (every function takes it) keeps the scores and ``m`` in log2 units
+(``s₂ = s · log2(e)``, ``l`` a sum of ``2^(s₂ − m)``): the same state, one multiply per score
+cheaper where the caller folds ``log2(e)`` into its scale (the Pallas forward folds it, with
+the softmax scale, into the query block). ``finalize`` still returns the natural-log ``lse``.
+
 Masked scores are ``-inf``. A row that has seen no visible key keeps ``m = -inf, l = 0`` and
 finalizes to zeros with ``lse = -inf``: never NaN, never mean(V). A row whose visible logits
 hold a NaN (or a ``+inf``, where ``exp(inf - inf)`` is NaN) is *not* such a row: its ``m`` or
@@ -25,8 +30,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-__all__ = ["State", "init", "update", "merge", "finalize", "from_output", "NEG_INF", "sink_state",
-           "sink_grad", "widen"]
+__all__ = ["State", "init", "update", "merge", "finalize", "from_output", "NEG_INF", "LN2", "LOG2E",
+           "sink_state", "sink_grad", "widen"]
 
 NEG_INF = float("-inf")
 
@@ -62,8 +67,16 @@ def widen(x, n: int):
     return jnp.concatenate([x] * (n // L), axis=-1)
 
 
+LN2 = 0.6931471805599453       # ln(2): a log2-unit lse back to natural log
+LOG2E = 1.4426950408889634     # log2(e) = 1 / ln(2): natural-log logits to log2 units
+
+
+def _exp(base2: bool):
+    return jnp.exp2 if base2 else jnp.exp
+
+
 def update(state: State, s_block: jax.Array, v_block: jax.Array, visible=None, *,
-           lanes: bool = False) -> State:
+           lanes: bool = False, base2: bool = False) -> State:
     """Fold one block of scores into the running state.
 
     s_block  [..., Br, Bc]  scores (scaled, capped, biased); masked entries may be -inf
@@ -73,35 +86,39 @@ def update(state: State, s_block: jax.Array, v_block: jax.Array, visible=None, *
              ``[..., Br, L]`` (a TPU kernel's VMEM scratch; every lane holds the row's value)
              and stay so: the block's row max and sum are the only cross-lane reductions,
              everything else is elementwise (:func:`widen` tiles them across ``Bc`` and ``d``).
+    base2    ``s_block`` and ``m`` in log2 units (see the module docstring).
     """
     m, l, acc = state
+    exp = _exp(base2)
     s = s_block.astype(m.dtype)
     if visible is not None:
         s = jnp.where(visible, s, NEG_INF)
     m_new = jnp.maximum(m, jnp.max(s, axis=-1, keepdims=lanes))   # [..., Br] / [..., Br, L]
     m_use = _safe(m_new)
     wide = (lambda x, n: widen(x, n)) if lanes else (lambda x, n: x[..., None])
-    p = jnp.exp(s - wide(m_use, s.shape[-1]))                  # [..., Br, Bc]; masked -> 0
-    alpha = jnp.exp(m - m_use)                                 # m=-inf -> 0
+    p = exp(s - wide(m_use, s.shape[-1]))                      # [..., Br, Bc]; masked -> 0
+    alpha = exp(m - m_use)                                     # m=-inf -> 0
     l_new = alpha * l + jnp.sum(p, axis=-1, keepdims=lanes)
     pv = jnp.einsum("...qk,...kd->...qd", p.astype(v_block.dtype), v_block,
                     preferred_element_type=acc.dtype)
     return State(m_new, l_new, wide(alpha, acc.shape[-1]) * acc + pv)
 
 
-def merge(a: State, b: State, *, lanes: bool = False) -> State:
+def merge(a: State, b: State, *, lanes: bool = False, base2: bool = False) -> State:
     """Combine two states built over disjoint sets of keys (associative, commutative).
 
-    ``lanes``: ``m``, ``l`` lane-replicated ``[..., Br, L]`` (see :func:`update`)."""
+    ``lanes``: ``m``, ``l`` lane-replicated ``[..., Br, L]`` (see :func:`update`); ``base2``:
+    both states in log2 units."""
     m = jnp.maximum(a.m, b.m)
     m_use = _safe(m)
-    wa, wb = jnp.exp(a.m - m_use), jnp.exp(b.m - m_use)
+    exp = _exp(base2)
+    wa, wb = exp(a.m - m_use), exp(b.m - m_use)
     d = a.acc.shape[-1]
     wide = (lambda x: widen(x, d)) if lanes else (lambda x: x[..., None])
     return State(m, wa * a.l + wb * b.l, wide(wa) * a.acc + wide(wb) * b.acc)
 
 
-def finalize(state: State, *, lanes: bool = False):
+def finalize(state: State, *, lanes: bool = False, base2: bool = False):
     """Normalise: ``O = acc / l`` and ``lse = m + log l``.
 
     A row with no visible key (``m == -inf``: nothing seen, or every visible logit ``-inf``)
@@ -111,11 +128,13 @@ def finalize(state: State, *, lanes: bool = False):
     ``lanes``: ``m``, ``l`` lane-replicated ``[..., Br, L]`` (see :func:`update`); then ``lse``
     is ``[..., Br, L]`` too and ``O = acc * (1 / l)``: one reciprocal per row (on ``[Br, L]``)
     and a multiply per element, with the empty-row test on ``[Br, L]`` only.
+    ``base2``: the state is in log2 units; ``lse`` is returned in natural log all the same.
     """
     m, l, acc = state
     seen = m != NEG_INF                       # True for NaN m: NaN flows through
     l_safe = jnp.where(seen, l, 1.0)
-    lse = jnp.where(seen, m + jnp.log(l_safe), NEG_INF)
+    lse = ((m + jnp.log2(l_safe)) * LN2) if base2 else (m + jnp.log(l_safe))
+    lse = jnp.where(seen, lse, NEG_INF)
     if lanes:
         # 0 for an empty row (its acc is 0: every p was 0, unless V itself holds inf/NaN,
         # which then shows, as it does in every seen row); NaN l stays NaN.
