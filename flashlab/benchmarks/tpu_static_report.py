@@ -240,13 +240,25 @@ def stored_backward_before(path=None) -> dict:
     return json.loads(p.read_text())
 
 
-def before_after_table(before_rows, after_rows, *, kernels=("dq", "dkdv")) -> str:
-    """flashlab's kernels before and after, per chip, at equal blocks: tile and per-step cycles,
-    whole-kernel estimate, and the ratio to the better of splash and jax's kernel after."""
+def stored_forward_before(path=None) -> dict:
+    """The stored BEFORE rows of the forward kernel (``data/forward_scores_before.json``: the
+    base-2 score path's change, provenance, and flashlab's forward rows from before it, at
+    every stored shape)."""
+    p = Path(path) if path else Path(__file__).parent.parent / "data" / "forward_scores_before.json"
+    return json.loads(p.read_text())
+
+
+def before_after_table(before_rows, after_rows, *, kernels=("dq", "dkdv"),
+                       blocks: str = "equal") -> str:
+    """flashlab's kernels before and after, per chip, at equal blocks (``blocks="equal"``) or
+    at its fastest measured blocks (``"best"``): tile and per-step cycles, whole-kernel
+    estimate, and the ratio to the better of splash and jax's kernel after (same blocks
+    rule). Rows of one shape: filter ``before_rows``/``after_rows`` by :func:`shape_of`."""
     def eq(rows, lib, chip, kernel):
-        rs = [r for r in rows if (r["library"], r["chip"], r["kernel"], r["blocks"])
-              == (lib, chip, kernel, "equal") and r.get("est_cycles") is not None]
-        return rs[0] if rs else None
+        rs = [r for r in rows if (r["library"], r["chip"], r["kernel"]) == (lib, chip, kernel)
+              and (blocks == "best" or r["blocks"] == "equal")
+              and r.get("est_cycles") is not None]
+        return min(rs, key=lambda r: r["est_cycles"]) if rs else None
     out = [f"{'chip':4} {'kernel':6} {'tile before > after':>20} {'step before > after':>20} "
            f"{'est ms before > after':>22} {'x best other':>12}"]
     for chip in dict.fromkeys(r["chip"] for r in before_rows):
@@ -259,6 +271,9 @@ def before_after_table(before_rows, after_rows, *, kernels=("dq", "dkdv")) -> st
             ratio = (f"{a['est_cycles'] / min(o['est_cycles'] for o in others):.2f}"
                      if others else "-")
             name = {"dq": "dQ", "dkdv": "dK/dV"}.get(kernel, kernel)
+            pair = lambda r: f"{r['block_q']}x{r['block_k']}"  # noqa: E731
+            if blocks != "equal":     # the blocks each side ran at
+                name += f" {pair(a)}" if pair(a) == pair(b) else f" {pair(b)}>{pair(a)}"
             out.append(f"{chip:4} {name:6} {b['tile_cycles']:>9} > {a['tile_cycles']:<8} "
                        f"{b['step_cycles']:>9} > {a['step_cycles']:<8} "
                        f"{b['est_ms']:>10.2f} > {a['est_ms']:<9.2f} {ratio:>12}")

@@ -10,9 +10,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-__all__ = ["STORED", "KERNELS", "stored", "static_ranking"]
+__all__ = ["STORED", "STORED_SHAPES", "KERNELS", "stored", "static_ranking"]
 
 STORED = Path(__file__).resolve().parent.parent / "data" / "tpu_static.json"
+#: The forward at issue 18's other shapes (T = 2048 and 32768, d = 64, non-causal), one bench
+#: run per shape: ``stored(STORED_SHAPES)``; rows carry their shape (``tpu_static_report.shape_of``).
+STORED_SHAPES = STORED.parent / "tpu_static_shapes.json"
 KERNELS = ("forward", "dq", "dkdv")     # the kernels of one training step's attention
 
 
