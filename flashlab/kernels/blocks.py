@@ -26,9 +26,11 @@ import numpy as np
 from flashlab.compat import pallas as compat
 from flashlab.contract import device
 from flashlab.kernels import tuned_blocks
-from flashlab.kernels.tiling import LANES, SUBLANES, kernel_head_dim, lane_pad, round_up, sublane_tile
+from flashlab.kernels.tiling import (LANES, SUBLANES, kernel_head_dim, lane_pad, round_up,
+                                     sublane_tile)
 
-__all__ = ["LANES", "SUBLANES", "VMEM_BYTES", "sublane_tile", "round_up", "lane_pad", "kernel_head_dim",
+__all__ = ["LANES", "SUBLANES", "VMEM_BYTES", "sublane_tile", "round_up", "lane_pad",
+           "kernel_head_dim",
            "vmem_capacity_bytes", "vmem_budget_bytes", "vmem_bytes", "choose_block_sizes",
            "check_block_sizes", "kv_block_range", "resolve_chip", "vmem_limit_bytes",
            "clamp_block", "num_visible_blocks", "div_nonneg", "q_block_range",

@@ -163,7 +163,7 @@ def make_config(spec: AttentionSpec, *, block_q=None, block_k=None, return_lse=F
 #: multiplies the query block by ``scale·log2(e)`` (``[B_r, d]`` once per tile instead of
 #: ``[B_r, B_c]`` scores) and runs the online softmax in base 2 (``exp2``: no ``log2(e)``
 #: multiply per score). The static schedule (B=2 T=8192 H=16 d=128 bf16, jax 0.12.0.1 / libtpu
-#: 0.0.50.1) decides: the tile falls 7-15% on v4, v6e and 7x and, non-causal, 4-6% on v5e and
+#: 0.0.50.1) decides: the tile falls 6-15% on v4, v6e and 7x and, non-causal, 4-6% on v5e and
 #: v5p, but a causal tile on v5e and v5p gets 3% slower (their MXU-bound schedule packs worse).
 KEEP_NATURAL_SCORES = frozenset({("v5e", True), ("v5p", True)})
 

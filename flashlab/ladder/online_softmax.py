@@ -12,7 +12,7 @@ over disjoint key sets (it is associative and commutative, so blocks may be comb
 order: tiles inside a kernel, grid steps, devices in a ring); ``finalize`` divides out ``l``.
 The tiled rung, the Pallas kernels and ring attention all call these functions.
 
-``base2=True`` (every function takes it) keeps the scores and ``m`` in log2 units
+``base2=True`` (``update``, ``merge`` and ``finalize`` take it) keeps the scores and ``m`` in log2 units
 (``s₂ = s · log2(e)``, ``l`` a sum of ``2^(s₂ − m)``): the same state, one multiply per score
 cheaper where the caller folds ``log2(e)`` into its scale (the Pallas forward folds it, with
 the softmax scale, into the query block). ``finalize`` still returns the natural-log ``lse``.
