@@ -54,7 +54,7 @@ from flashlab.kernels import forward_grid
 from flashlab.compat.pallas import pl
 from flashlab.kernels.refs import RefNames, name_refs
 from flashlab.kernels.backward_grid import (
-    BackwardGridSpec, _dbias_order, _full_bias, dbias_config, _lengths, _q_range, dbias_grid_spec, dkdv_grid_spec, dq_grid_spec, make_backward_config, D_ROW, LOG2E, LSE_ROW, ForwardConfig)
+    BackwardGridSpec, _dbias_order, _full_bias, dbias_config, _q_range, dbias_grid_spec, dkdv_grid_spec, dq_grid_spec, make_backward_config, D_ROW, LOG2E, LSE_ROW, ForwardConfig)
 
 __all__ = ["flash_attention_backward"]
 
@@ -115,7 +115,7 @@ def _dkdv_kernel(*refs, cfg: ForwardConfig, names: RefNames, fused=False):
     dk_ref, dv_ref, dq_part = ins["dk"], ins["dv"], ins.get("dq_part")
     dk_acc, dv_acc = ins["dk_acc"], ins["dv_acc"]
     b, j, g, i = pl.program_id(0), pl.program_id(2), pl.program_id(3), pl.program_id(4)
-    q_lengths, kv_lengths = _lengths(cfg, ins["q_lengths"], ins["kv_lengths"])
+    q_lengths, kv_lengths = forward_grid.static_lengths(cfg, ins["q_lengths"], ins["kv_lengths"])
     q_len, kv_len = q_lengths[b], kv_lengths[b]
 
     @pl.when(jnp.logical_and(g == 0, i == 0))
@@ -156,7 +156,7 @@ def _dq_kernel(*refs, cfg: ForwardConfig, names: RefNames, has_ds):
     offsets_ref = ins.get("offsets")
     dq_ref, ds_ref, dq_acc = ins["dq"], ins.get("ds"), ins["dq_acc"]
     b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
-    q_lengths, kv_lengths = _lengths(cfg, ins["q_lengths"], ins["kv_lengths"])
+    q_lengths, kv_lengths = forward_grid.static_lengths(cfg, ins["q_lengths"], ins["kv_lengths"])
     q_len, kv_len = q_lengths[b], kv_lengths[b]
 
     @pl.when(j == 0)

@@ -127,19 +127,8 @@ def _q_side_operands(cfg, q_map, kv_map, scores_map_for, qseg_map, kvseg_map,
     return names + n2, specs + s2, shapes + sh2
 
 
-_lengths = forward_grid.static_lengths
-
-
-def _static_maps(cfg, f):
-    """Index map ``f`` reading :func:`_lengths` instead of the scalar-prefetched ones."""
-    def m(*idx):
-        *grid, q_lengths, kv_lengths = idx[:len(idx) - cfg.has_offsets]
-        return f(*grid, *_lengths(cfg, q_lengths, kv_lengths), *idx[len(idx) - cfg.has_offsets:])
-    return m
-
-
 def _q_range(cfg, b, j, q_lengths, kv_lengths, offsets=None):
-    q_lengths, kv_lengths = _lengths(cfg, q_lengths, kv_lengths)
+    q_lengths, kv_lengths = forward_grid.static_lengths(cfg, q_lengths, kv_lengths)
     return blk.q_block_range(j, q_lengths[b], kv_lengths[b], block_q=cfg.block_q,
                              block_k=cfg.block_k,
                              is_causal=cfg.is_causal, window=cfg.window,
@@ -216,10 +205,7 @@ def dq_grid_spec(cfg: ForwardConfig, with_dbias: bool = True) -> BackwardGridSpe
     """
     bq, bk = cfg.block_q, cfg.block_k
     B, N, Tp, Sp, Dp = cfg.batch, cfg.num_heads, cfg.q_len_p, cfg.kv_len_p, cfg.head_dim_p
-    base = forward_grid.index_maps(cfg)                         # the forward's grid and maps
-    maps = forward_grid.IndexMaps(_static_maps(cfg, base.q), _static_maps(cfg, base.kv),
-                         lambda bc: _static_maps(cfg, base.scores_for(bc)),
-                         _static_maps(cfg, base.q_seg), _static_maps(cfg, base.kv_seg))
+    maps = forward_grid.index_maps(cfg)     # the forward's grid and maps (static lengths too)
 
     def ds_map(b, h, i, j, q_lengths, kv_lengths, offsets=None):  # every block written
         return (b, h, i, j)

@@ -100,8 +100,7 @@ def tile_visible(ins, cfg: ForwardConfig, q_start, k_start, q_len, kv_len, *,
     positions ``q_start``/``k_start``), the segment ids and the dense mask. Shared by the
     forward and the three backward kernels.
     """
-    if not (cfg.is_causal or cfg.window is not None or cfg.mask_q_len or cfg.mask_kv_len
-            or cfg.has_segments or "mask" in ins):
+    if not cfg.masks_tile:
         return None
     bq, bk, L = cfg.block_q, cfg.block_k, blk.LANES
     shape, q_axis = ((bk, bq), 1) if transposed else ((bq, bk), 0)

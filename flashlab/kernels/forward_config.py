@@ -63,6 +63,13 @@ class ForwardConfig:
     log2_scores: bool = False       # scale·log2(e) folded into Q_i, softmax in base 2 (below)
 
     @property
+    def masks_tile(self) -> bool:
+        """Whether a score tile can hide anything: causal, window, lengths, kv padding,
+        segments or a mask. ``False``: every score is visible and the kernels build no mask."""
+        return (self.is_causal or self.window is not None or self.mask_q_len
+                or self.mask_kv_len or self.has_segments or self.mask_bcast is not None)
+
+    @property
     def group_size(self) -> int:
         return self.num_heads // self.num_kv_heads
 
@@ -171,9 +178,7 @@ KEEP_NATURAL_SCORES = frozenset({("v5e", True), ("v5p", True)})
 def _log2_scores(cfg: ForwardConfig) -> bool:
     """Fold ``scale·log2(e)`` into the query block (:data:`KEEP_NATURAL_SCORES` says where not).
     Never with a soft cap (``tanh`` needs the scaled logit first)."""
-    masked = (cfg.is_causal or cfg.window is not None or cfg.mask_q_len or cfg.mask_kv_len
-              or cfg.has_segments or cfg.mask_bcast is not None)
-    return cfg.soft_cap is None and (cfg.chip, masked) not in KEEP_NATURAL_SCORES
+    return cfg.soft_cap is None and (cfg.chip, cfg.masks_tile) not in KEEP_NATURAL_SCORES
 
 
 def _use_visit_grid(cfg: ForwardConfig, want: bool | None) -> bool:
