@@ -262,8 +262,13 @@ def test_backward_block_sizes_fit_every_chip():
                                                      bias_dtype=jnp.float32, has_mask=True)
             assert bq % 32 == 0 and bk % 128 == 0
             assert blk.backward_vmem_bytes(bq, bk, d, jnp.bfloat16, bias_dtype=jnp.float32,
-                                           has_mask=True) <= blk.vmem_budget_bytes(chip)
+                                           has_mask=True) <= blk.vmem_limit_bytes(chip)
     assert blk.choose_backward_block_sizes(40, 100, 64, jnp.float32) == (40, 128)
+    # a soft cap and the fused option each hold one more [B_r, B_c] float32 tile
+    base = blk.backward_vmem_bytes(512, 512, 128, jnp.bfloat16)
+    tile = 512 * 512 * 4
+    assert blk.backward_vmem_bytes(512, 512, 128, jnp.bfloat16, soft_cap=True) == base + tile
+    assert blk.backward_vmem_bytes(512, 512, 128, jnp.bfloat16, fused=True) > base + tile
     # explicit blocks that do not fit the backward fall back to the backward's choice
     spec = validate(jnp.zeros((1, 8192, 1, 256)), jnp.zeros((1, 8192, 1, 256)),
                     jnp.zeros((1, 8192, 1, 256)))[3]

@@ -59,14 +59,25 @@ def test_kernels_take_blocks_and_vmem_limit_from_the_compile_target(chip):
     assert kernels[0]["grid"] == (1, 2, 4096 // fwd_q, 4096 // fwd_k)
     assert kernels[2]["grid"] == (1, 2, 4096 // bwd_q, 4096 // bwd_k)
     assert {k["vmem_limit_bytes"] for k in kernels} == {blk.vmem_limit_bytes(chip)}
-    assert blk.vmem_limit_bytes(chip) == min(blk.VMEM_BYTES[chip] * 3 // 4,
-                                             2 * blk.vmem_budget_bytes(chip))
+    # twice the planning budget, at most 3/4 of VMEM, never below Mosaic's 16 MiB default
+    assert blk.vmem_limit_bytes(chip) == max(
+        min(blk.VMEM_BYTES[chip] * 3 // 4, 2 * blk.vmem_budget_bytes(chip)),
+        min(blk.VMEM_BYTES[chip], blk.DEFAULT_SCOPED_VMEM_BYTES))
 
 
 def test_the_chips_differ_where_vmem_differs():
     v4, v5p = (tpu_compile.pallas_calls(_grad, Q, Q, Q, chip=c) for c in ("v4", "v5p"))
-    assert v4[0]["vmem_limit_bytes"] == 12 << 20 and v5p[0]["vmem_limit_bytes"] == 48 << 20
-    assert v4[1]["grid"] != v5p[1]["grid"]          # the backward's B_c: 256 on v4, 512 on v5p
+    assert v4[0]["vmem_limit_bytes"] == 16 << 20 and v5p[0]["vmem_limit_bytes"] == 48 << 20
+    # 1024x1024 backward blocks at d=256 float32 fit v5p's 48 MiB, not v4's 16 MiB: v4 falls
+    # back to its own choice
+    from flashlab.contract.masks import validate
+    from flashlab.kernels.backward_grid import make_backward_config
+    x = jnp.zeros(Q.shape, Q.dtype)
+    spec = validate(x, x, x)[3]
+    got = {c: make_backward_config(spec, block_q=1024, block_k=1024, chip=c) for c in ("v4", "v5p")}
+    assert (got["v5p"].block_q, got["v5p"].block_k) == (1024, 1024)
+    assert (got["v4"].block_q, got["v4"].block_k) == blk.choose_backward_block_sizes(
+        4096, 4096, 256, jnp.float32, "v4", is_causal=False)
 
 
 def test_explicit_chip_wins_over_the_compile_target():

@@ -343,6 +343,7 @@ def flash_attention_backward(query, key, value, spec: AttentionSpec, out, lse, d
     """
     if not isinstance(fused, bool):
         raise TypeError(f"fused: expected a bool, got {fused!r}")
-    cfg = make_backward_config(spec, block_q=block_q, block_k=block_k, chip=chip)
+    cfg = make_backward_config(spec, block_q=block_q, block_k=block_k, chip=chip,
+                               fused=fused)
     return _backward(query, key, value, spec, out, lse, d_out, cfg=cfg,
                      interpret=fwd._resolve_interpret(interpret), fused=fused)

@@ -40,7 +40,7 @@ LOG2E = online_softmax.LOG2E       # lse is stored (and P computed) in log2 unit
 
 
 def make_backward_config(spec: AttentionSpec, *, block_q=None, block_k=None,
-                         chip=None) -> ForwardConfig:
+                         chip=None, fused: bool = False) -> ForwardConfig:
     """The backward kernels' configuration: the forward's, with the backward's block sizes.
 
     Explicit ``block_q``/``block_k`` (the ones given to ``flash_attention``) are used when they
@@ -48,10 +48,12 @@ def make_backward_config(spec: AttentionSpec, *, block_q=None, block_k=None,
     :func:`blocks.choose_backward_block_sizes` for ``chip`` (``None``: the compile target,
     :func:`blocks.resolve_chip`). ``block_q`` is rounded up to a multiple of 128: the dK/dV
     kernel computes the transposed tile ``Sᵀ [B_c, B_r]``, where B_r is the lane dim.
+    ``fused``: size them for the fused backward (one kernel, its float32 dQ partials).
     """
     chip = blk.resolve_chip(chip)
     dt = jnp.dtype(spec.dtype)
-    kw = forward_config.block_kwargs(spec)
+    kw = dict(forward_config.block_kwargs(spec), soft_cap=spec.soft_cap is not None,
+              fused=fused)
     auto_q, auto_k = blk.choose_backward_block_sizes(spec.q_len, spec.kv_len, spec.head_dim, dt,
                                                      chip, is_causal=spec.is_causal, **kw)
     auto_q = blk.round_up(auto_q, blk.LANES)

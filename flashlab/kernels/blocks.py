@@ -46,6 +46,17 @@ VMEM_BYTES = {
 #: the kernels widen the int8 mask block to int32 before comparing.
 NO_INT8_VPU = frozenset({"v2", "v3", "v4", "v4i"})
 DEFAULT_CHIP = "v5e"      # what Colab's TPU runtime gives today; used off-TPU
+#: Mosaic's default scoped-VMEM limit (libtpu 0.0.42-0.0.50): a kernel that sets no
+#: ``vmem_limit_bytes`` fails past "limit 16.00M" on v5e/v5p, past the 16 MiB VMEM on v4.
+DEFAULT_SCOPED_VMEM_BYTES = 16 << 20
+#: Mosaic's register-allocator spill slots of the backward kernels, in float32 ``[B_r, B_c]``
+#: tiles: the VMEM a kernel needs beyond its pipelined blocks and scratch. Measured with
+#: libtpu 0.0.50.1 by compiling at a falling ``vmem_limit_bytes`` until it fails (v4 and v5e,
+#: blocks 512x512 to 1024x1024, with and without bias, segment ids, causal): dQ 1.0-1.2 tiles,
+#: dK/dV 1.9-2.0; a soft cap adds 0.7-0.9 (its tanh tile). Rounded up here, so the estimate
+#: stays an upper bound (tests/test_tpu_compile_matrix.py compiles every option at the
+#: blocks it allows).
+BACKWARD_SPILL_TILES = {"dq": 1.5, "dkdv": 2.25}
 
 
 def resolve_chip(chip: str | None = None) -> str:
@@ -89,11 +100,17 @@ def vmem_budget_bytes(chip: str | None = None) -> int:
 def vmem_limit_bytes(chip: str | None = None) -> int:
     """The scoped-VMEM limit a compiled kernel asks Mosaic for (``vmem_limit_bytes``).
 
-    Mosaic's *default scoped limit* is the VMEM a kernel may use unless it asks for more
-    (less than the chip's physical VMEM); flashlab asks for twice its planning budget, capped
-    at 3/4 of the physical VMEM: 12 MiB on v4, 96 MiB on v5e/v6e, 48 MiB on v5p/7x.
+    Mosaic's *default scoped limit* is the VMEM a kernel may use unless it asks for more:
+    16 MiB (:data:`DEFAULT_SCOPED_VMEM_BYTES`), which on the 16 MiB chips (v2-v4) is the whole
+    VMEM. flashlab asks for twice its planning budget, capped at 3/4 of the physical VMEM, and
+    never less than that default (asking less would hold a kernel below what every kernel that
+    asks nothing, splash included, gets): 16 MiB on v4, 96 MiB on v5e/v6e, 48 MiB on v5p/7x.
+    XLA still checks the program against the physical VMEM at compile time ("Used X of 16.00M
+    vmem"), so a block that does not fit fails to compile, it never runs out at run time.
     """
-    return int(min(vmem_capacity_bytes(chip) * 3 // 4, 2 * vmem_budget_bytes(chip)))
+    cap = vmem_capacity_bytes(chip)
+    return int(max(min(cap * 3 // 4, 2 * vmem_budget_bytes(chip)),
+                   min(cap, DEFAULT_SCOPED_VMEM_BYTES)))
 
 
 def vmem_bytes(block_q: int, block_k: int, head_dim: int, dtype, *, head_dim_v: int | None = None,
@@ -338,55 +355,72 @@ def q_block_range(j, q_len, kv_len, *, block_q, block_k, is_causal=False, window
 
 def backward_vmem_bytes(block_q: int, block_k: int, head_dim: int, dtype, *,
                         head_dim_v: int | None = None, bias_dtype=None, has_mask: bool = False,
-                        has_segments: bool = False, buffers: int = 2) -> int:
+                        has_segments: bool = False, soft_cap: bool = False, fused: bool = False,
+                        buffers: int = 2) -> int:
     """Estimated VMEM footprint (bytes) of the larger of the two backward kernels.
 
-    Both kernels pipeline Q, dO ``[block_q, d]``, K, V ``[block_k, d]``, lse and D
-    ``[block_q, 128]`` float32 (lane-replicated), optionally bias/mask ``[block_q, block_k]``
-    and segment ids, ``buffers`` times each. The dK/dV kernel also holds dK, dV output blocks
-    ``[block_k, d]`` and float32 scratch accumulators of the same size; the dQ kernel a dQ
-    block, its float32 accumulator and (with a bias) a float32 dS block ``[block_q, block_k]``.
-    Temporaries: S, P, dP, dS ``[block_q, block_k]`` float32. head dims are lane-padded.
+    Each kernel's pipelined blocks count ``buffers`` times, as its BlockSpecs declare them
+    (:mod:`flashlab.kernels.backward_grid`): Q, dO ``[block_q, d]``, K, V ``[block_k, d]``,
+    optionally bias/mask ``[block_q, block_k]``; the dQ kernel reads ``stats [block_q, 256]``
+    float32 and q/kv segment ids ``[block_q, 128]``, ``[8, block_k]`` int32 and writes dQ
+    ``[block_q, d]`` (and, with a bias, a float32 dS/dBias ``[block_q, block_k]``); the dK/dV
+    kernel reads ``stats_t [8, block_q]`` float32 and segment ids ``[8, block_q]``,
+    ``[block_k, 128]`` int32 and writes dK, dV ``[block_k, d]`` (``fused``: also a float32
+    dQ partial ``[block_q, d]``). Scratch counts once: the float32 accumulators (dQ; dK and
+    dV). On top: Mosaic's spill slots, :data:`BACKWARD_SPILL_TILES` float32 ``[B_r, B_c]``
+    tiles, one more with a soft cap (its tanh) or a mask (widened, compared), one more for
+    the fused option's third matmul. head dims are lane-padded.
     """
     e = jnp.dtype(dtype).itemsize
     d, dv = lane_pad(head_dim), lane_pad(head_dim_v or head_dim)
-    common = (block_q * d + block_q * dv + block_k * d + block_k * dv) * e \
-        + 2 * block_q * LANES * 4
+    tile = block_q * block_k * 4
+    common = (block_q * d + block_q * dv + block_k * d + block_k * dv) * e
     if bias_dtype is not None:
         common += block_q * block_k * jnp.dtype(bias_dtype).itemsize
     if has_mask:
         common += block_q * block_k
+    extra_tiles = int(bool(soft_cap)) + int(bool(has_mask))
+    dq_blocks = common + block_q * 2 * LANES * 4 + block_q * d * e
+    if bias_dtype is not None:
+        dq_blocks += tile                                   # dS (full bias) or dBias out
+    dkdv_blocks = common + SUBLANES * block_q * 4 + block_k * (d + dv) * e
     if has_segments:
-        common += (block_q * LANES + SUBLANES * block_k) * 4
-    temps = 4 * block_q * block_k * 4
-    dkdv = buffers * (common + block_k * (d + dv) * e) + block_k * (d + dv) * 4 + temps
-    dq_out = block_q * d * e + (block_q * block_k * 4 if bias_dtype is not None else 0)
-    dq = buffers * (common + dq_out) + block_q * d * 4 + temps
+        dq_blocks += (block_q * LANES + SUBLANES * block_k) * 4
+        dkdv_blocks += (SUBLANES * block_q + block_k * LANES) * 4
+    if fused:
+        dkdv_blocks += block_q * d * 4
+    dq = (buffers * dq_blocks + block_q * d * 4
+          + int((BACKWARD_SPILL_TILES["dq"] + extra_tiles) * tile))
+    dkdv = (buffers * dkdv_blocks + block_k * (d + dv) * 4
+            + int((BACKWARD_SPILL_TILES["dkdv"] + extra_tiles + int(bool(fused))) * tile))
     return max(dkdv, dq)
 
 
 def _backward_fits(bq, bk, head_dim, dtype, chip, **kw) -> bool:
-    return backward_vmem_bytes(bq, bk, head_dim, dtype, **kw) <= vmem_budget_bytes(chip)
+    """The estimate counts Mosaic's own spill slots, so it is held to the limit the kernels
+    ask for (:func:`vmem_limit_bytes`), not to the forward's half-VMEM planning budget."""
+    return backward_vmem_bytes(bq, bk, head_dim, dtype, **kw) <= vmem_limit_bytes(chip)
 
 
 def choose_backward_block_sizes(q_len: int, kv_len: int, head_dim: int, dtype,
                                 chip: str | None = None, *, head_dim_v: int | None = None,
                                 bias_dtype=None, has_mask=False, has_segments=False,
+                                soft_cap: bool = False, fused: bool = False,
                                 is_causal: bool | None = None) -> tuple[int, int]:
     """Default ``(block_q, block_k)`` of the backward kernels for a problem on a chip.
 
     With ``is_causal`` given, first the measured table (:mod:`flashlab.kernels.tuned_blocks`,
     ``kernel="backward"``: the pair with the lowest dQ + dK/dV static estimate per chip and
     shape class) if the request falls in a measured class and the pair fits. Else the
-    heuristic: the backward holds four ``[B_r, B_c]`` float32 temporaries (S, P, dP, dS) and
-    twice the pipelined blocks of the forward, so it starts smaller: ``B_r = B_c = 512``
-    (never larger than the padded sequence), then halves B_c, then B_r, until
-    :func:`backward_vmem_bytes` fits :func:`vmem_budget_bytes` of ``chip``. Same tiling rule
-    as the forward.
+    heuristic: the backward holds more ``[B_r, B_c]`` float32 temporaries than the forward and
+    twice its pipelined blocks, so it starts smaller: ``B_r = B_c = 512`` (never larger than
+    the padded sequence), then halves B_c, then B_r, until :func:`backward_vmem_bytes` fits
+    :func:`vmem_limit_bytes` of ``chip``. Same tiling rule as the forward. ``soft_cap``,
+    ``fused``: as in :func:`backward_vmem_bytes`.
     """
     rule = _sublane_rule(dtype, bias_dtype, has_mask)
     kw = dict(head_dim_v=head_dim_v, bias_dtype=bias_dtype, has_mask=has_mask,
-              has_segments=has_segments)
+              has_segments=has_segments, soft_cap=soft_cap, fused=fused)
     if is_causal is not None:
         e = tuned_blocks.lookup(q_len, kv_len, head_dim, dtype, resolve_chip(chip),
                                 is_causal=is_causal, kernel="backward")

@@ -92,7 +92,8 @@ def flash_attention_from_spec(query, key, value, spec: AttentionSpec, *, block_q
         raise ValueError(f"backward: expected one of {BACKWARDS}, got {backward!r}")
     cfg = forward_config.make_config(spec, block_q=block_q, block_k=block_k, chip=chip)
     bwd_cfg = (backward_grid.make_backward_config(spec, block_q=block_q, block_k=block_k,
-                                                  chip=chip), backward == "fused")
+                                                  chip=chip, fused=backward == "fused"),
+               backward == "fused")
     f = _attention_manual if in_manual_mesh() else _attention
     # Inside shard_map: every operand varies over the same mesh axes, so each cotangent has
     # its primal's type (JAX sums a replicated input's cotangent outside, as for any op).
