@@ -61,7 +61,8 @@ def make_backward_config(spec: AttentionSpec, *, block_q=None, block_k=None,
     bk = auto_k if block_k is None else block_k
     if not blk._backward_fits(bq, bk, spec.head_dim, dt, chip, **kw):
         bq, bk = auto_q, auto_k
-    return forward_config.make_config(spec, block_q=bq, block_k=bk, chip=chip)
+    return forward_config.make_config(spec, block_q=bq, block_k=bk, chip=chip,
+                                      backward_blocks=True)
 
 
 # ----------------------------------------------------------------------------- grids as data

@@ -151,8 +151,10 @@ def _sublane_rule(dtype, bias_dtype=None, has_mask=False) -> int:
 
 
 def check_block_sizes(block_q, block_k, *, head_dim, dtype, head_dim_v=None, bias_dtype=None,
-                      has_mask=False, has_segments=False, return_lse=False, chip=None) -> None:
-    """Raise ``ValueError`` naming the argument if a block size breaks tiling or VMEM."""
+                      has_mask=False, has_segments=False, return_lse=False, chip=None,
+                      vmem: bool = True) -> None:
+    """Raise ``ValueError`` naming the argument if a block size breaks tiling or (``vmem``) the
+    forward kernel's VMEM budget."""
     for name, b in (("block_q", block_q), ("block_k", block_k)):
         if isinstance(b, bool) or not isinstance(b, (int, np.integer)):
             raise TypeError(f"{name}: expected a positive int, got {b!r}")
@@ -167,6 +169,8 @@ def check_block_sizes(block_q, block_k, *, head_dim, dtype, head_dim_v=None, bia
     if block_k % LANES:
         raise ValueError(f"block_k: expected a multiple of {LANES} (block_k is the lane dim of "
                          f"the score/bias/mask blocks: the (8, 128) tiling rule), got {block_k}")
+    if not vmem:
+        return
     need = vmem_bytes(block_q, block_k, head_dim, dtype, head_dim_v=head_dim_v,
                       bias_dtype=bias_dtype, has_mask=has_mask, has_segments=has_segments,
                       return_lse=return_lse)

@@ -127,7 +127,8 @@ def block_kwargs(spec: AttentionSpec) -> dict:
 
 
 def make_config(spec: AttentionSpec, *, block_q=None, block_k=None, return_lse=False,
-                chip=None, visit_grid: bool | None = None) -> ForwardConfig:
+                chip=None, visit_grid: bool | None = None,
+                backward_blocks: bool = False) -> ForwardConfig:
     """Build (and check) the kernel configuration for a validated request.
 
     ``chip``: the TPU generation to size blocks and the VMEM limit for; ``None`` reads the
@@ -136,6 +137,9 @@ def make_config(spec: AttentionSpec, *, block_q=None, block_k=None, return_lse=F
     (default) does so when that removes grid steps (causal, window, padding) and the request
     has no offsets (traced offsets move the visible set at run time), ``False`` keeps the
     dense grid; ``True`` where it is impossible raises ``ValueError``.
+    ``backward_blocks``: the blocks are the backward kernels', already held to their own VMEM
+    estimate (:func:`flashlab.kernels.backward_grid.make_backward_config`); only the tiling
+    rule is checked here, not the forward's VMEM budget.
     """
     chip = blk.resolve_chip(chip)
     dt = jnp.dtype(spec.dtype)
@@ -147,7 +151,8 @@ def make_config(spec: AttentionSpec, *, block_q=None, block_k=None, return_lse=F
                                             is_causal=spec.is_causal, **kw)
     block_q = auto_q if block_q is None else block_q
     block_k = auto_k if block_k is None else block_k
-    blk.check_block_sizes(block_q, block_k, head_dim=spec.head_dim, dtype=dt, chip=chip, **kw)
+    blk.check_block_sizes(block_q, block_k, head_dim=spec.head_dim, dtype=dt, chip=chip,
+                          vmem=not backward_blocks, **kw)
     full = (spec.batch, spec.num_heads, spec.q_len, spec.kv_len)
     bcast = lambda a: None if a is None else tuple(  # noqa: E731
         bool(a.shape[d] == 1 and full[d] > 1) for d in range(4))
