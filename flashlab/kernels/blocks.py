@@ -46,8 +46,9 @@ VMEM_BYTES = {
 #: the kernels widen the int8 mask block to int32 before comparing.
 NO_INT8_VPU = frozenset({"v2", "v3", "v4", "v4i"})
 DEFAULT_CHIP = "v5e"      # what Colab's TPU runtime gives today; used off-TPU
-#: Mosaic's default scoped-VMEM limit (libtpu 0.0.42-0.0.50): a kernel that sets no
-#: ``vmem_limit_bytes`` fails past "limit 16.00M" on v5e/v5p, past the 16 MiB VMEM on v4.
+#: The smallest default scoped-VMEM limit of Mosaic (libtpu 0.0.42-0.0.50): what a kernel that
+#: sets no ``vmem_limit_bytes`` may use on v4, v5e and v5p (on v4, the whole VMEM); v6e allows
+#: 32 MiB, 7x 44 (measured per chip in :mod:`flashlab.instruments.roofline`).
 DEFAULT_SCOPED_VMEM_BYTES = 16 << 20
 #: Mosaic's register-allocator spill slots of the backward kernels, in float32 ``[B_r, B_c]``
 #: tiles: the VMEM a kernel needs beyond its pipelined blocks and scratch. Measured with
@@ -100,8 +101,8 @@ def vmem_budget_bytes(chip: str | None = None) -> int:
 def vmem_limit_bytes(chip: str | None = None) -> int:
     """The scoped-VMEM limit a compiled kernel asks Mosaic for (``vmem_limit_bytes``).
 
-    Mosaic's *default scoped limit* is the VMEM a kernel may use unless it asks for more:
-    16 MiB (:data:`DEFAULT_SCOPED_VMEM_BYTES`), which on the 16 MiB chips (v2-v4) is the whole
+    Mosaic's *default scoped limit* is the VMEM a kernel may use unless it asks for more: at
+    least 16 MiB (:data:`DEFAULT_SCOPED_VMEM_BYTES`), on the 16 MiB chips (v2-v4) the whole
     VMEM. flashlab asks for twice its planning budget, capped at 3/4 of the physical VMEM, and
     never less than that default (asking less would hold a kernel below what every kernel that
     asks nothing, splash included, gets): 16 MiB on v4, 96 MiB on v5e/v6e, 48 MiB on v5p/7x.
