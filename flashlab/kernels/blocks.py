@@ -55,8 +55,8 @@ DEFAULT_SCOPED_VMEM_BYTES = 16 << 20
 #: libtpu 0.0.50.1 by compiling at a falling ``vmem_limit_bytes`` until it fails (v4 and v5e,
 #: blocks 512x512 to 1024x1024, with and without bias, segment ids, causal): dQ 1.0-1.2 tiles,
 #: dK/dV 1.9-2.0; a soft cap adds 0.7-0.9 (its tanh tile). Rounded up here, so the estimate
-#: stays an upper bound (tests/test_tpu_compile_matrix.py compiles every option at the
-#: blocks it allows).
+#: stays an upper bound: tests/test_tpu_compile.py compiles the backward with its limit set to
+#: the estimate (v4 1024x1024 plain and with segment ids, soft cap + bias, a mask, fused).
 BACKWARD_SPILL_TILES = {"dq": 1.5, "dkdv": 2.25}
 
 
