@@ -9,8 +9,9 @@
 - The backward (chapter 07): :mod:`~flashlab.kernels.backward_grid` and
   :mod:`~flashlab.kernels.backward` (dK/dV, dQ and dBias kernels).
 - Decode (chapter 12): :mod:`~flashlab.kernels.decode_grid` and :mod:`~flashlab.kernels.decode`.
-- Block sizes: :mod:`~flashlab.kernels.blocks` (VMEM budgets, ranges, per-chip facts),
-  :mod:`~flashlab.kernels.tuned_blocks` (the static bench's winners as data),
+- Block sizes: :mod:`~flashlab.kernels.blocks` (VMEM budgets and estimates, per-chip facts),
+  :mod:`~flashlab.kernels.block_ranges` (the visible block ranges and the clamp: block
+  skipping), :mod:`~flashlab.kernels.tuned_blocks` (the static bench's winners as data),
   :mod:`~flashlab.kernels.tiling` (the (8, 128) arithmetic); :mod:`~flashlab.kernels.refs`
   names a kernel's refs.
 - :mod:`~flashlab.kernels.examples`, :mod:`~flashlab.kernels.minimal`: chapter 04's first
