@@ -1,5 +1,6 @@
-"""The forward kernel's visit grid (flashlab/kernels/visit.py): the list, the blocks it copies,
-and the kernel on it against the float64 oracle (tiny shapes, interpret mode)."""
+"""The kernels' visit grids (flashlab/kernels/visit.py): the lists, the blocks they copy, and
+the forward and backward kernels on them against the float64 oracle and the dense grid (tiny
+shapes, interpret mode)."""
 import numpy as np
 import pytest
 
@@ -11,6 +12,7 @@ from flashlab.kernels import blocks as blk, forward as fw, visit
 from flashlab.kernels import forward_grid
 from flashlab.kernels import forward_config
 from flashlab.kernels import flash
+from flashlab.kernels import backward as bw, backward_grid
 
 CASES = [  # (q_len, kv_len, block_q, block_k, is_causal, window)
     (512, 512, 128, 128, True, None),
@@ -99,3 +101,77 @@ def test_visit_grid_kernel_matches_oracle(causal, window, lengths):
     rows = slice(None) if lengths is None else slice(0, lengths[0])
     np.testing.assert_allclose(np.asarray(out)[:, rows], np.asarray(ref)[:, rows],
                                atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("q_len,kv_len,bq,bk,causal,window", CASES)
+def test_transposed_visits_are_the_visible_pairs_and_copy_the_dense_grids_blocks(
+        q_len, kv_len, bq, bk, causal, window):
+    """The dK/dV kernel's list: rows are kv blocks j, each listing the q blocks that see it."""
+    nq, nk = -(-q_len // bq), -(-kv_len // bk)
+    kw = dict(q_len=q_len, kv_len=kv_len, block_q=bq, block_k=bk, is_causal=causal,
+              window=window)
+    v = visit.visit_table(num_q_blocks=nq, num_kv_blocks=nk, transposed=True, **kw)
+    j, i, flags = visit.unpack(v.astype(np.int64))
+    real = (flags & visit.EMPTY) == 0
+    assert sorted(set(j.tolist())) == list(range(nk)) and np.all(np.diff(j) >= 0)
+    for r in range(nk):
+        rows = np.flatnonzero(j == r)
+        assert (flags[rows[0]] & visit.FIRST) and (flags[rows[-1]] & visit.LAST)
+        assert np.all(np.diff(i[rows]) == 1)
+    forward = visit.visit_table(num_q_blocks=nq, num_kv_blocks=nk, **kw)
+    fi, fj, ff = visit.unpack(forward.astype(np.int64))
+    assert ({(a, b) for a, b, ok in zip(i.tolist(), j.tolist(), real) if ok}
+            == {(a, b) for a, b, f in zip(fi.tolist(), fj.tolist(), ff) if not f & visit.EMPTY})
+    seq_dense = []
+    for b in range(nk):
+        lo, hi = blk.q_block_range(b, q_len, kv_len, block_q=bq, block_k=bk, is_causal=causal,
+                                   window=window)
+        seq_dense += [blk.clamp_block(a, lo, hi, nq) for a in range(nq)]
+    assert visit.copied_blocks(i.tolist()) == visit.copied_blocks(seq_dense)
+
+
+def _backward_on(q, k, v, a, dout, visit_grid, bq=128, bk=128):
+    """(dq, dk, dv) of the backward kernels on the visit grid or the dense one."""
+    q, k, v, spec = masks.validate(q, k, v, None, None, **a)
+    cfg = backward_grid.make_backward_config(spec, block_q=bq, block_k=bk,
+                                             visit_grid=visit_grid)
+    gs = backward_grid.backward_grid_specs(cfg)
+    assert (gs["dq"].visit_rows, gs["dkdv"].visit_rows) == (
+        ("q", "kv") if visit_grid else (None, None))
+    out, lse = fw.flash_attention_forward(q, k, v, spec, block_q=bq, block_k=bk,
+                                          interpret=True)
+    return bw._backward(q, k, v, spec, out, lse, jnp.asarray(dout), cfg=cfg,
+                        interpret=True)[:3]
+
+
+@pytest.mark.parametrize("q_len,kv_len,causal,window,lengths", [
+    (250, 250, True, None, (200, 250)),
+    (250, 250, False, (96, 0), None),
+    (250, 250, True, (64, None), None),
+    (120, 380, True, None, None)])      # kv blocks 1, 2 seen by no query: EMPTY dK/dV rows
+def test_backward_visit_grid_matches_dense_grid_and_oracle(q_len, kv_len, causal, window,
+                                                           lengths):
+    """GQA (2 query heads per kv head), padding, run-time lengths, windows and kv blocks no
+    query sees: the dQ and dK/dV kernels on their visit grids give the dense grids' gradients
+    (f32, 1e-6 of the largest gradient: the same tiles in the same order) and the float64
+    oracle's (1e-4)."""
+    import jax
+    q, k, v, a = _spec(q_len, kv_len, causal, window)
+    if lengths is not None:
+        a.update(query_seq_lengths=jnp.array([lengths[0]]),
+                 key_value_seq_lengths=jnp.array([lengths[1]]))
+    dout = np.random.default_rng(1).standard_normal(q.shape).astype(np.float32)
+    if lengths is not None:
+        dout[:, lengths[0]:] = 0.0                       # rows past q_len: no cotangent
+    on_visits = _backward_on(q, k, v, a, dout, True)
+    dense = _backward_on(q, k, v, a, dout, False)
+    with jax.enable_x64(True):
+        f64 = [jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v, dout)]
+        ref = jax.grad(lambda q, k, v: jnp.sum(reference.naive_attention(q, k, v, **a) *
+                                               f64[3]), argnums=(0, 1, 2))(*f64[:3])
+    scale = max(float(np.abs(np.asarray(r)).max()) for r in ref)
+    for name, got, want, r in zip("qkv", on_visits, dense, ref):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6 * scale,
+                                   err_msg=f"d{name}: visit grid vs dense grid")
+        np.testing.assert_allclose(np.asarray(got), np.asarray(r), atol=1e-4 * scale,
+                                   err_msg=f"d{name}: visit grid vs float64 oracle")

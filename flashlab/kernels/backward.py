@@ -9,7 +9,7 @@ with ``dS' = dS ∘ (1 − tanh²)`` under a soft cap (``dS' = dS`` without).
 
 Two kernels, split as in FlashAttention-2 (the choice is argued in chapter 07):
 
-* **dK/dV kernel**, grid ``(batch, kv_heads, T_c, G, T_r)``: kv block ``j`` of kv head ``hk``
+* **dK/dV kernel**, grid ``(batch, kv_heads, T_c, G, T_r)`` (dense): kv block ``j`` of kv head ``hk``
   stays in VMEM while the ``G`` query heads sharing it (GQA) and their q blocks ``i`` stream
   past; dK_j, dV_j accumulate in float32 VMEM scratch and are written once. The last two axes
   are "arbitrary" (they carry the accumulators), the first three "parallel". K/V are never
@@ -31,8 +31,13 @@ summed over that dim in XLA, back to the bias's shape.
 
 ``D_i`` is an O(N·d) elementwise product and row sum: plain XLA, fused, before the kernels.
 
-Block skipping as in the forward, with neither compute nor DMA: the dQ kernel clamps ``j``
-into :func:`blocks.kv_block_range`, the dK/dV kernel clamps ``i`` into
+Block skipping as in the forward. Where the visible set is known when the kernel is built (no
+offsets; ``cfg.visit_grid``), the dQ and dK/dV kernels run over the visible pairs only
+(:mod:`flashlab.kernels.visit`): the dQ kernel on the forward's visit list ``(b, h, t)``, the
+dK/dV kernel on the transposed one ``(b, hk, t, g)`` (rows are kv blocks). A skipped pair then
+costs no grid step at all: at causal T=8192 with 1024-blocks that is 896 of 2048 steps.
+Otherwise, on the dense grids, skipped steps run with neither compute nor DMA: the dQ kernel
+clamps ``j`` into :func:`blocks.kv_block_range`, the dK/dV kernel clamps ``i`` into
 :func:`blocks.q_block_range`; each kernel's ``pl.when`` tests the same range, so the index
 maps and the compute agree by construction.
 """
@@ -51,6 +56,7 @@ from flashlab.compat import pallas as compat
 from flashlab.kernels import blocks as blk
 from flashlab.kernels import forward as fwd
 from flashlab.kernels import forward_grid
+from flashlab.kernels import visit
 from flashlab.compat.pallas import pl
 from flashlab.kernels.refs import RefNames, name_refs
 from flashlab.kernels.backward_grid import (
@@ -118,7 +124,8 @@ def _tile(ins, cfg: ForwardConfig, q_start, k_start, q_len, kv_len, *, transpose
 
 
 def _dkdv_kernel(*refs, cfg: ForwardConfig, names: RefNames, fused=False):
-    """Step ``(b, hk, j, g, i)``: dV_j += P_ijᵀ dO_i, dK_j += scale·dS'_ijᵀ Q_i.
+    """Step ``(b, hk, j, g, i)`` (or ``(b, hk, t, g)`` of the visit grid): dV_j += P_ijᵀ dO_i,
+    dK_j += scale·dS'_ijᵀ Q_i.
 
     ``refs`` by name (:meth:`BackwardGridSpec.ref_names`). ``fused``: also ``dq_part[j, i] =
     dS'_ij K_j`` (see :func:`dkdv_grid_spec`)."""
@@ -126,17 +133,29 @@ def _dkdv_kernel(*refs, cfg: ForwardConfig, names: RefNames, fused=False):
     offsets_ref = ins.get("offsets")
     dk_ref, dv_ref, dq_part = ins["dk"], ins["dv"], ins.get("dq_part")
     dk_acc, dv_acc = ins["dk_acc"], ins["dv_acc"]
-    b, j, g, i = pl.program_id(0), pl.program_id(2), pl.program_id(3), pl.program_id(4)
+    b = pl.program_id(0)
     q_lengths, kv_lengths = forward_grid.static_lengths(cfg, ins["q_lengths"], ins["kv_lengths"])
     q_len, kv_len = q_lengths[b], kv_lengths[b]
+    if "visits" in ins:         # (j, i) from the transposed visit list; the G heads innermost
+        j, i, flags = visit.unpack(ins["visits"][pl.program_id(2)])
+        g, last_g = pl.program_id(3), cfg.group_size - 1
+        first = jnp.logical_and((flags & visit.FIRST) != 0, g == 0)
+        last = jnp.logical_and((flags & visit.LAST) != 0, g == last_g)
+        run = (flags & visit.EMPTY) == 0    # listed = positionally visible
+        if cfg.mask_q_len or cfg.mask_kv_len:                  # run-time lengths: test them
+            lo, hi = _q_range(cfg, 0, j, (q_len,), (kv_len,))
+            run = jnp.logical_and(run, jnp.logical_and(lo <= i, i <= hi))
+    else:
+        j, g, i = pl.program_id(2), pl.program_id(3), pl.program_id(4)
+        first = jnp.logical_and(g == 0, i == 0)
+        last = jnp.logical_and(g == cfg.group_size - 1, i == cfg.num_q_blocks - 1)
+        lo, hi = _q_range(cfg, 0, j, (q_len,), (kv_len,), offsets_ref)
+        run = jnp.logical_and(lo <= i, i <= hi)    # exactly the index map's unclamped steps
 
-    @pl.when(jnp.logical_and(g == 0, i == 0))
+    @pl.when(first)
     def _init():
         dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
         dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
-
-    lo, hi = _q_range(cfg, 0, j, (q_len,), (kv_len,), offsets_ref)
-    run = jnp.logical_and(lo <= i, i <= hi)        # exactly the index map's unclamped steps
 
     @pl.when(run)
     def _compute():
@@ -161,28 +180,37 @@ def _dkdv_kernel(*refs, cfg: ForwardConfig, names: RefNames, fused=False):
         def _zero_dq_part():
             dq_part[...] = jnp.zeros(dq_part.shape, jnp.float32)
 
-    @pl.when(jnp.logical_and(g == cfg.group_size - 1, i == cfg.num_q_blocks - 1))
+    @pl.when(last)
     def _write():
         dk_ref[...] = (dk_acc[...] * cfg.scale).astype(dk_ref.dtype)   # scale once per row
         dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
 
 
 def _dq_kernel(*refs, cfg: ForwardConfig, names: RefNames, has_ds):
-    """Step ``(b, h, i, j)``: dQ_i += scale·dS'_ij K_j (and dS_ij out, for dBias); ``refs`` by
-    name (:meth:`BackwardGridSpec.ref_names`)."""
+    """Step ``(b, h, i, j)`` (or ``(b, h, t)`` of the visit grid): dQ_i += scale·dS'_ij K_j
+    (and dS_ij out, for dBias); ``refs`` by name (:meth:`BackwardGridSpec.ref_names`)."""
     ins = name_refs(refs, names)
     offsets_ref = ins.get("offsets")
     dq_ref, ds_ref, dq_acc = ins["dq"], ins.get("ds"), ins["dq_acc"]
-    b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+    b = pl.program_id(0)
     q_lengths, kv_lengths = forward_grid.static_lengths(cfg, ins["q_lengths"], ins["kv_lengths"])
     q_len, kv_len = q_lengths[b], kv_lengths[b]
+    if "visits" in ins:                          # (i, j) from the forward's visit list
+        i, j, flags = visit.unpack(ins["visits"][pl.program_id(2)])
+        first, last = (flags & visit.FIRST) != 0, (flags & visit.LAST) != 0
+        run = (flags & visit.EMPTY) == 0        # listed = positionally visible
+        if cfg.mask_q_len or cfg.mask_kv_len:                  # run-time lengths: test them
+            lo, hi = forward_grid._kv_range(cfg, 0, i, (q_len,), (kv_len,))
+            run = jnp.logical_and(run, jnp.logical_and(lo <= j, j <= hi))
+    else:
+        i, j = pl.program_id(2), pl.program_id(3)
+        first, last = j == 0, j == cfg.num_kv_blocks - 1
+        lo, hi = forward_grid._kv_range(cfg, 0, i, (q_len,), (kv_len,), offsets_ref)
+        run = jnp.logical_and(lo <= j, j <= hi)
 
-    @pl.when(j == 0)
+    @pl.when(first)
     def _init():
         dq_acc[...] = jnp.zeros(dq_acc.shape, jnp.float32)
-
-    lo, hi = forward_grid._kv_range(cfg, 0, i, (q_len,), (kv_len,), offsets_ref)
-    run = jnp.logical_and(lo <= j, j <= hi)
 
     @pl.when(run)
     def _compute():
@@ -199,7 +227,7 @@ def _dq_kernel(*refs, cfg: ForwardConfig, names: RefNames, has_ds):
         def _zero_ds():                     # dS of a skipped tile is zero (written, not DMA'd in)
             ds_ref[...] = jnp.zeros(ds_ref.shape, ds_ref.dtype)
 
-    @pl.when(j == cfg.num_kv_blocks - 1)
+    @pl.when(last)
     def _write():
         dq_ref[...] = (dq_acc[...] * cfg.scale).astype(dq_ref.dtype)   # scale once per row
 
@@ -326,7 +354,7 @@ def _backward(query, key, value, spec, out, lse, d_out, *, cfg: ForwardConfig, i
 
     def run(gs, kernel_fn, kernel):
         return _call(gs, kernel_fn, kernel, interpret, q_lengths, kv_lengths,
-                     pre + [arrays[n] for n in gs.in_names])
+                     pre + gs.visits() + [arrays[n] for n in gs.in_names])
 
     if fused:
         dk, dv, dq_part = run(dkdv_grid_spec(cfg, fused=True), _dkdv_kernel, "dkdv")

@@ -23,6 +23,7 @@ from flashlab.compat import pallas as compat
 from flashlab.kernels import blocks as blk
 from flashlab.kernels import forward_grid
 from flashlab.kernels import forward_config
+from flashlab.kernels import visit
 from flashlab.compat.pallas import pl
 from flashlab.ladder import online_softmax
 
@@ -40,7 +41,8 @@ LOG2E = online_softmax.LOG2E       # lse is stored (and P computed) in log2 unit
 
 
 def make_backward_config(spec: AttentionSpec, *, block_q=None, block_k=None,
-                         chip=None, fused: bool = False) -> ForwardConfig:
+                         chip=None, fused: bool = False,
+                         visit_grid: bool | None = None) -> ForwardConfig:
     """The backward kernels' configuration: the forward's, with the backward's block sizes.
 
     Explicit ``block_q``/``block_k`` (the ones given to ``flash_attention``) are used when they
@@ -49,6 +51,7 @@ def make_backward_config(spec: AttentionSpec, *, block_q=None, block_k=None,
     :func:`blocks.resolve_chip`). ``block_q`` is rounded up to a multiple of 128: the dK/dV
     kernel computes the transposed tile ``Sᵀ [B_c, B_r]``, where B_r is the lane dim.
     ``fused``: size them for the fused backward (one kernel, its float32 dQ partials).
+    ``visit_grid``: as in :func:`forward_config.make_config` (``None``: where it skips steps).
     """
     chip = blk.resolve_chip(chip)
     dt = jnp.dtype(spec.dtype)
@@ -62,7 +65,7 @@ def make_backward_config(spec: AttentionSpec, *, block_q=None, block_k=None,
     if not blk._backward_fits(bq, bk, spec.head_dim, dt, chip, **kw):
         bq, bk = auto_q, auto_k
     return forward_config.make_config(spec, block_q=bq, block_k=bk, chip=chip,
-                                      backward_blocks=True)
+                                      visit_grid=visit_grid, backward_blocks=True)
 
 
 # ----------------------------------------------------------------------------- grids as data
@@ -71,16 +74,33 @@ def make_backward_config(spec: AttentionSpec, *, block_q=None, block_k=None,
 class BackwardGridSpec(forward_grid.ForwardGridSpec):
     """One backward kernel's grid and BlockSpecs (see :class:`forward.ForwardGridSpec`).
 
-    Index maps take ``(*grid indices, q_lengths, kv_lengths)`` and run on ints and NumPy
-    arrays too, so :mod:`flashlab.instruments.traffic` replays them.
+    Index maps take ``(*grid indices, q_lengths, kv_lengths[, offsets | visits])`` and run on
+    ints and NumPy arrays too, so :mod:`flashlab.instruments.traffic` replays them.
+    ``visit_rows``: on a visit grid, ``"q"`` (rows are q blocks, the dQ kernel) or ``"kv"``
+    (the dK/dV kernel's transposed list); ``None`` on the dense grid.
     """
 
     name: str = ""
+    visit_rows: str | None = None
+
+    def visits(self) -> list:
+        """The visit-list operand ``[visits [n] int32]`` of a visit grid, else ``[]``."""
+        if self.visit_rows is None:
+            return []
+        return [jnp.asarray(self.config.visits(transposed=self.visit_rows == "kv"))]
 
 
-def prefetch_names(cfg: ForwardConfig) -> tuple[str, ...]:
-    """The backward kernels' scalar-prefetch operands: q/kv lengths [and offsets]."""
-    return ("q_lengths", "kv_lengths") + (("offsets",) if cfg.has_offsets else ())
+def prefetch_names(cfg: ForwardConfig, visits: bool = False) -> tuple[str, ...]:
+    """The backward kernels' scalar-prefetch operands: q/kv lengths [and offsets | visits]."""
+    return (("q_lengths", "kv_lengths") + (("offsets",) if cfg.has_offsets else ())
+            + (("visits",) if visits else ()))
+
+
+def _on_visit_grid(cfg: ForwardConfig, transposed: bool) -> bool:
+    """Run this backward kernel over the visible blocks only (``cfg.visit_grid``, the forward's
+    choice: no offsets, steps to skip); the transposed list obeys the same size limit."""
+    return cfg.visit_grid and (not transposed or
+                               len(cfg.visits(transposed=True)) <= visit.MAX_VISITS)
 
 
 def _q_side_operands(cfg, q_map, kv_map, scores_map_for, qseg_map, kvseg_map,
@@ -141,6 +161,11 @@ def _q_range(cfg, b, j, q_lengths, kv_lengths, offsets=None):
 def dkdv_grid_spec(cfg: ForwardConfig, fused: bool = False) -> BackwardGridSpec:
     """The dK/dV kernel: grid ``(b, hk, j, g, i)``; query head ``h = hk·G + g``.
 
+    On the visit grid (:func:`_on_visit_grid`; not with ``fused``) it is ``(b, hk, t, g)``:
+    step ``t`` reads ``(j, i)`` from the transposed visit list (rows are kv blocks), and the
+    ``G`` query heads sharing kv head ``hk`` run innermost, so dK_j, dV_j still accumulate over
+    every (g, i) before the row's last visit writes them. Only ``b`` and ``hk`` are parallel.
+
     ``fused``: the fused backward option, one kernel for dQ, dK and dV. Each step also writes
     its partial ``dQ_i^(j) = dS'_ij K_j`` (unscaled) as a float32 block of ``dq_part
     [B, N, T_c, T, d]`` (zeros for a skipped step), summed over ``T_c`` in XLA after: no
@@ -149,29 +174,46 @@ def dkdv_grid_spec(cfg: ForwardConfig, fused: bool = False) -> BackwardGridSpec:
     G = cfg.group_size
     bk = cfg.block_k
     Sp, Dp, Dvp = cfg.kv_len_p, cfg.head_dim_p, cfg.head_dim_v_p
+    on_visits = _on_visit_grid(cfg, transposed=True) and not fused
+    clamp = cfg.mask_q_len or cfg.mask_kv_len
 
     def q_block(b, j, i, q_lengths, kv_lengths, offsets=None):
         lo, hi = _q_range(cfg, b, j, q_lengths, kv_lengths, offsets)
         return blk.clamp_block(i, lo, hi, cfg.num_q_blocks)   # same clamp, on the q axis
 
-    def q_map(b, hk, j, g, i, q_lengths, kv_lengths, offsets=None):  # Q_i, dO_i, lse_i, D_i
-        return (b, hk * G + g, q_block(b, j, i, q_lengths, kv_lengths, offsets), 0)
+    if on_visits:                       # (b, hk, t, g): (j, i) from the visit list
+        def idx(b, hk, t, g, q_lengths, kv_lengths, visits):      # -> (b, h, j, i)
+            j, i, _ = visit.unpack(visits[t])
+            if clamp:                   # run-time lengths: a step past them copies nothing
+                i = q_block(b, j, i, q_lengths, kv_lengths)
+            return b, hk * G + g, j, i
+    else:
+        def idx(b, hk, j, g, i, q_lengths, kv_lengths, offsets=None):
+            return b, hk * G + g, j, q_block(b, j, i, q_lengths, kv_lengths, offsets)
 
-    def kv_map(b, hk, j, g, i, q_lengths, kv_lengths, offsets=None):  # K_j, V_j, dK_j, dV_j
-        return (b, hk, j, 0)
+    def q_map(*a):                                           # Q_i, dO_i, lse_i, D_i
+        b, h, _, i = idx(*a)
+        return (b, h, i, 0)
+
+    def kv_block(x, a):                 # j: the grid's, or the row of visits[t] (no clamp)
+        return visit.unpack(a[-1][x])[0] if on_visits else x
+
+    def kv_map(b, hk, x, *a):                                # K_j, V_j, dK_j, dV_j
+        return (b, hk, kv_block(x, a), 0)
 
     def scores_map_for(bcast):
-        def scores_map(b, hk, j, g, i, q_lengths, kv_lengths, offsets=None):
-            return (0 if bcast[0] else b, 0 if bcast[1] else hk * G + g,
-                    0 if bcast[2] else q_block(b, j, i, q_lengths, kv_lengths, offsets),
+        def scores_map(*a):
+            b, h, j, i = idx(*a)
+            return (0 if bcast[0] else b, 0 if bcast[1] else h, 0 if bcast[2] else i,
                     0 if bcast[3] else j)
         return scores_map
 
-    def qseg_map(b, hk, j, g, i, q_lengths, kv_lengths, offsets=None):
-        return (b, q_block(b, j, i, q_lengths, kv_lengths, offsets), 0)
+    def qseg_map(*a):
+        b, _, _, i = idx(*a)
+        return (b, i, 0)
 
-    def kvseg_map(b, hk, j, g, i, q_lengths, kv_lengths, offsets=None):
-        return (b, 0, j)
+    def kvseg_map(b, hk, x, *a):
+        return (b, 0, kv_block(x, a))
 
     names, specs, shapes = _q_side_operands(cfg, q_map, kv_map, scores_map_for, qseg_map,
                                             kvseg_map, transposed=True)
@@ -189,26 +231,37 @@ def dkdv_grid_spec(cfg: ForwardConfig, fused: bool = False) -> BackwardGridSpec:
         out_shapes += (sds((B, cfg.num_heads, cfg.num_kv_blocks, cfg.q_len_p, Dp),
                            jnp.float32),)
     scratch = (compat.VMEM((bk, Dp), jnp.float32), compat.VMEM((bk, Dvp), jnp.float32))
+    if on_visits:
+        grid = (B, K, len(cfg.visits(transposed=True)), G)
+        dims = ("parallel", "parallel", "arbitrary", "arbitrary")
+    else:
+        grid = (B, K, cfg.num_kv_blocks, G, cfg.num_q_blocks)
+        dims = ("parallel", "parallel", "parallel", "arbitrary", "arbitrary")
     return BackwardGridSpec(
-        config=cfg, grid=(B, K, cfg.num_kv_blocks, G, cfg.num_q_blocks),
+        config=cfg, grid=grid,
         in_names=tuple(names), in_specs=tuple(specs), in_shapes=tuple(shapes),
         out_names=out_names, out_specs=out_specs, out_shapes=out_shapes,
-        scratch_shapes=scratch,
-        dimension_semantics=("parallel", "parallel", "parallel", "arbitrary", "arbitrary"),
+        scratch_shapes=scratch, dimension_semantics=dims,
         name="flashlab_flash_backward_dkdv" + ("_fused" if fused else ""),
-        prefetch_names=prefetch_names(cfg), scratch_names=("dk_acc", "dv_acc"))
+        prefetch_names=prefetch_names(cfg, on_visits), scratch_names=("dk_acc", "dv_acc"),
+        visit_rows="kv" if on_visits else None)
 
 
 def dq_grid_spec(cfg: ForwardConfig, with_dbias: bool = True) -> BackwardGridSpec:
-    """The dQ kernel: the forward's grid ``(b, h, i, j)``, plus a dS output for dBias.
+    """The dQ kernel: the forward's grid ``(b, h, i, j)`` (or its visit grid ``(b, h, t)``,
+    :func:`_on_visit_grid`), plus a dS output for dBias.
 
     The dS output ``[B, N, T, S]`` float32 exists only with a full-shape bias that is
     differentiated (``with_dbias``; a constant bias, e.g. ALiBi, gets none; a bias broadcast
-    over batch or heads gets :func:`dbias_grid_spec` instead).
+    over batch or heads gets :func:`dbias_grid_spec` instead). It is written at every step,
+    zeros where a tile is skipped, so it keeps the dense grid.
     """
     bq, bk = cfg.block_q, cfg.block_k
     B, N, Tp, Sp, Dp = cfg.batch, cfg.num_heads, cfg.q_len_p, cfg.kv_len_p, cfg.head_dim_p
-    maps = forward_grid.index_maps(cfg)     # the forward's grid and maps (static lengths too)
+    with_ds = _full_bias(cfg) and with_dbias
+    on_visits = _on_visit_grid(cfg, transposed=False) and not with_ds
+    # the forward's grid and maps (static lengths too)
+    maps = forward_grid.visit_index_maps(cfg) if on_visits else forward_grid.index_maps(cfg)
 
     def ds_map(b, h, i, j, q_lengths, kv_lengths, offsets=None):  # every block written
         return (b, h, i, j)
@@ -218,16 +271,17 @@ def dq_grid_spec(cfg: ForwardConfig, with_dbias: bool = True) -> BackwardGridSpe
     sds = jax.ShapeDtypeStruct
     out_names, out_specs = ["dq"], [pl.BlockSpec((None, None, bq, Dp), maps.q)]
     out_shapes = [sds((B, N, Tp, Dp), cfg.dtype)]
-    if _full_bias(cfg) and with_dbias:
+    if with_ds:
         out_names.append("ds")
         out_specs.append(pl.BlockSpec((None, None, bq, bk), ds_map))
         out_shapes.append(sds((B, N, Tp, Sp), jnp.float32))
     return BackwardGridSpec(
-        config=cfg, grid=cfg.grid, in_names=tuple(names), in_specs=tuple(specs),
+        config=cfg, grid=(B, N, len(cfg.visits())) if on_visits else cfg.grid,
+        in_names=tuple(names), in_specs=tuple(specs),
         in_shapes=tuple(shapes), out_names=tuple(out_names), out_specs=tuple(out_specs),
         out_shapes=tuple(out_shapes), scratch_shapes=(compat.VMEM((bq, Dp), jnp.float32),),
-        name="flashlab_flash_backward_dq", prefetch_names=prefetch_names(cfg),
-        scratch_names=("dq_acc",))
+        name="flashlab_flash_backward_dq", prefetch_names=prefetch_names(cfg, on_visits),
+        scratch_names=("dq_acc",), visit_rows="q" if on_visits else None)
 
 
 def _full_bias(cfg: ForwardConfig) -> bool:

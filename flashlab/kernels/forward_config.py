@@ -104,13 +104,14 @@ class ForwardConfig:
         """The dense grid ``(B, H, T_r, T_c)`` (the backward's dQ kernel runs it too)."""
         return (self.batch, self.num_heads, self.num_q_blocks, self.num_kv_blocks)
 
-    def visits(self) -> np.ndarray:
-        """The packed visit list ``int32 [n]`` of the visit grid (:mod:`.visit`)."""
+    def visits(self, transposed: bool = False) -> np.ndarray:
+        """The packed visit list ``int32 [n]`` of the visit grid (:mod:`.visit`); rows are kv
+        blocks with ``transposed`` (the dK/dV kernel's)."""
         return visit.visit_table(num_q_blocks=self.num_q_blocks,
                                  num_kv_blocks=self.num_kv_blocks, q_len=self.q_len,
                                  kv_len=self.kv_len, block_q=self.block_q,
                                  block_k=self.block_k, is_causal=self.is_causal,
-                                 window=self.window)
+                                 window=self.window, transposed=transposed)
 
 
 def block_kwargs(spec: AttentionSpec) -> dict:
@@ -133,7 +134,8 @@ def make_config(spec: AttentionSpec, *, block_q=None, block_k=None, return_lse=F
 
     ``chip``: the TPU generation to size blocks and the VMEM limit for; ``None`` reads the
     compile target (:func:`flashlab.kernels.blocks.resolve_chip`: explicit ``chip`` wins).
-    ``visit_grid``: run the forward over the visible blocks only (:mod:`.visit`); ``None``
+    ``visit_grid``: run the forward, and the backward's dQ and dK/dV kernels, over the visible
+    blocks only (:mod:`.visit`); ``None``
     (default) does so when that removes grid steps (causal, window, padding) and the request
     has no offsets (traced offsets move the visible set at run time), ``False`` keeps the
     dense grid; ``True`` where it is impossible raises ``ValueError``.

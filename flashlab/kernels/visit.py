@@ -1,4 +1,4 @@
-"""The forward kernel's visit list: a grid over the visible (q block, kv block) pairs only.
+"""The kernels' visit lists: a grid over the visible (q block, kv block) pairs only.
 
 The dense grid ``(B, H, T_r, T_c)`` pays a grid step for every pair, visible or not: at causal
 ``T = 8192`` with 512-blocks, 120 of 256 steps per (batch, head) do nothing but still run the
@@ -15,6 +15,11 @@ no key at all gets one placeholder visit that computes nothing, so its ``O_i`` a
 are still written). A row's visits are consecutive and ``j`` increases within a row, so the
 blocks copied are exactly those of the dense grid with clamped index maps, in the same order
 (:func:`copied_blocks` replays both; the tests compare them).
+
+The backward runs on visit lists too: the dQ kernel on the forward's (rows are q blocks), the
+dK/dV kernel on the transposed one (``transposed=True``: rows are kv blocks ``j``, each listing
+the q blocks ``i`` that see it, from :func:`blocks.q_block_range`; an entry packs
+``j << 16 | i << 3 | flags``).
 """
 from __future__ import annotations
 
@@ -32,33 +37,37 @@ MAX_VISITS = 1 << 15
 
 
 def visit_table(*, num_q_blocks: int, num_kv_blocks: int, q_len: int, kv_len: int,
-                block_q: int, block_k: int, is_causal: bool = False, window=None) -> np.ndarray:
+                block_q: int, block_k: int, is_causal: bool = False, window=None,
+                transposed: bool = False) -> np.ndarray:
     """The packed visit list ``int32 [n]`` of one (batch, head), rows in order.
 
-    ``q_len``/``kv_len``: the caller's static lengths (padding past them is never visited).
-    Raises ``ValueError`` when a block index does not fit its bit field.
+    Rows are q blocks (the forward and dQ kernels), or kv blocks with ``transposed`` (the
+    dK/dV kernel). ``q_len``/``kv_len``: the caller's static lengths (padding past them is
+    never visited). Raises ``ValueError`` when a block index does not fit its bit field.
     """
-    if num_q_blocks >= 1 << (31 - _I_SHIFT) or num_kv_blocks >= 1 << _J_BITS:
+    rows, cols = (num_kv_blocks, num_q_blocks) if transposed else (num_q_blocks, num_kv_blocks)
+    if rows >= 1 << (31 - _I_SHIFT) or cols >= 1 << _J_BITS:
         raise ValueError(f"num_q_blocks={num_q_blocks}, num_kv_blocks={num_kv_blocks}: the "
-                         f"visit list packs i in {31 - _I_SHIFT} bits and j in {_J_BITS}; "
-                         f"use larger blocks")
+                         f"visit list packs its rows in {31 - _I_SHIFT} bits and its columns "
+                         f"in {_J_BITS}; use larger blocks")
+    span = blk.q_block_range if transposed else blk.kv_block_range
     out = []
-    for i in range(num_q_blocks):
-        lo, hi = blk.kv_block_range(i, q_len, kv_len, block_q=block_q, block_k=block_k,
-                                    is_causal=is_causal,
-                                    window=window)
-        if hi < lo:          # nothing visible: one step that only writes O_i = 0, lse = -inf
-            j = blk.clamp_block(0, lo, hi, num_kv_blocks)
-            out.append(i << _I_SHIFT | j << 3 | FIRST | LAST | EMPTY)
+    for r in range(rows):
+        lo, hi = span(r, q_len, kv_len, block_q=block_q, block_k=block_k, is_causal=is_causal,
+                      window=window)
+        if hi < lo:          # nothing visible: one step that only writes the row's zeros
+            c = blk.clamp_block(0, lo, hi, cols)
+            out.append(r << _I_SHIFT | c << 3 | FIRST | LAST | EMPTY)
             continue
-        for j in range(lo, hi + 1):
-            out.append(i << _I_SHIFT | j << 3 | (FIRST if j == lo else 0)
-                       | (LAST if j == hi else 0))
+        for c in range(lo, hi + 1):
+            out.append(r << _I_SHIFT | c << 3 | (FIRST if c == lo else 0)
+                       | (LAST if c == hi else 0))
     return np.asarray(out, np.int32)
 
 
 def unpack(v):
-    """``(i, j, flags)`` of a packed visit (Python int, NumPy array or traced int32)."""
+    """``(row, column, flags)`` of a packed visit: ``(i, j, flags)``, or ``(j, i, flags)`` in
+    a transposed list (Python int, NumPy array or traced int32)."""
     return v >> _I_SHIFT, (v >> 3) & ((1 << _J_BITS) - 1), v & 7
 
 
