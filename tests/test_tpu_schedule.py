@@ -154,6 +154,19 @@ def test_live_compile_bench_rows():
                                                         causal=True, block=512)).lower()
 
 
+def test_init_runs_once_per_row_of_a_visit_grid():
+    """B=2 H=4 T=4096 causal, 512 x 1024 blocks: 8 q-block rows, 4 kv-block rows per head."""
+    from flashlab.benchmarks.tpu_static import init_runs
+    kw = dict(batch=2, heads=4, seq_len=4096, block_q=512, block_k=1024)
+    assert init_runs("flashlab", "forward", (2, 4, 20), **kw) == 2 * 4 * 8
+    assert init_runs("flashlab", "dq", (2, 4, 20), **kw) == 2 * 4 * 8
+    assert init_runs("flashlab", "dkdv", (2, 4, 20, 1), **kw) == 2 * 4 * 4
+    # dense grids: every step of the grid without its innermost axis
+    assert init_runs("flashlab", "dq", (2, 4, 8, 4), **kw) == 2 * 4 * 8
+    assert init_runs("flashlab", "dkdv", (2, 4, 4, 1, 8), **kw) == 2 * 4 * 4
+    assert init_runs("splash", "dkdv", (4, 4, 8), **kw) == 4 * 4
+
+
 @needs_libtpu
 def test_live_unknown_chip():
     with pytest.raises(ValueError, match="chip: expected one of"):

@@ -150,6 +150,16 @@ def _visible_tiles(T, bq, bk, causal) -> int:
                                      block_k=bk, is_causal=causal)
 
 
+def init_runs(library: str, role: str, grid, *, batch, heads, seq_len, block_q, block_k
+              ) -> int:
+    """How often a kernel's init and finalize run: once per step of its grid without the
+    innermost (reduction) axis, or, on flashlab's visit grids (``(B, H, n)``; the dK/dV
+    kernel's ``(B, K, n, G)``), once per row of the list: a q block (a kv block for dK/dV)."""
+    if library == "flashlab" and len(grid) == (4 if role == "dkdv" else 3):
+        return batch * heads * -(-seq_len // (block_k if role == "dkdv" else block_q))
+    return math.prod(grid[:-1])
+
+
 def _row(k: tpu_dump.KernelDump, blocks, *, chip, library, mode, batch, seq_len, heads,
          head_dim, causal, timeline) -> dict:
     from flashlab.benchmarks.backends import attention_flops
@@ -157,9 +167,8 @@ def _row(k: tpu_dump.KernelDump, blocks, *, chip, library, mode, batch, seq_len,
     s = k.schedule
     bq, bk = blocks
     steps = math.prod(k.grid)
-    rows = math.prod(k.grid[:-1])
-    if library == "flashlab" and k.role == "forward" and len(k.grid) == 3:
-        rows = batch * heads * -(-seq_len // bq)    # visit grid (B, H, n): one row per q block
+    rows = init_runs(library, k.role, k.grid, batch=batch, heads=heads, seq_len=seq_len,
+                     block_q=bq, block_k=bk)
     tiles = batch * heads * _visible_tiles(seq_len, bq, bk, causal)
     cycles = tpu_schedule.kernel_cycles(s, steps=steps, tiles=tiles, rows=rows)
     hz, peak, _ = chip_clock(chip)
