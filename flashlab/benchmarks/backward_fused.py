@@ -21,7 +21,7 @@ import math
 import sys
 
 from flashlab.instruments import tpu_dump, tpu_schedule
-from flashlab.benchmarks.tpu_static import _commit, _visible_tiles, chip_clock
+from flashlab.benchmarks.tpu_static import _commit, _visible_tiles, chip_clock, init_runs
 
 __all__ = ["build", "measure", "main"]
 
@@ -61,7 +61,9 @@ def measure(*, chips, batch=2, seq_len=8192, heads=16, head_dim=128, causal=True
                     continue
                 s = k.schedule
                 c = tpu_schedule.kernel_cycles(s, steps=math.prod(k.grid), tiles=tiles,
-                                               rows=math.prod(k.grid[:-1]))
+                                               rows=init_runs("flashlab", k.role, k.grid,
+                                                              block_q=block, block_k=block,
+                                                              **shape))
                 kernels[k.name] = dict(grid=list(k.grid), tile_cycles=s.tile_cycles,
                                        step_cycles=s.step_cycles, init_cycles=s.init_cycles,
                                        finalize_cycles=s.finalize_cycles,
