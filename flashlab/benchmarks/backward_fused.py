@@ -62,8 +62,9 @@ def measure(*, chips, batch=2, seq_len=8192, heads=16, head_dim=128, causal=True
                 s = k.schedule
                 c = tpu_schedule.kernel_cycles(s, steps=math.prod(k.grid), tiles=tiles,
                                                rows=init_runs("flashlab", k.role, k.grid,
-                                                              block_q=block, block_k=block,
-                                                              **shape))
+                                                              batch=batch, heads=heads,
+                                                              seq_len=seq_len, block_q=block,
+                                                              block_k=block))
                 kernels[k.name] = dict(grid=list(k.grid), tile_cycles=s.tile_cycles,
                                        step_cycles=s.step_cycles, init_cycles=s.init_cycles,
                                        finalize_cycles=s.finalize_cycles,
