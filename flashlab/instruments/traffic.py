@@ -345,8 +345,9 @@ def kernel_grid(kernel: str, *, batch: int, heads: int, seq_len: int, head_dim: 
                          head_dim=head_dim, head_dim_v=head_dim if head_dim_v is None else head_dim_v,
                          dtype=dt, scale=1.0 / math.sqrt(head_dim), is_causal=bool(is_causal),
                          window=window, soft_cap=None)
-    # The dense grid (B, H, T_r, T_c): the forward's visit grid (kernels/visit.py) copies the
-    # same blocks in the same order (tests/test_kernel_visit.py replays both).
+    # The dense grids: the visit grids (kernels/visit.py; the forward's and dQ's, and dK/dV's
+    # transposed one) copy the same blocks (tests/test_kernel_visit.py), in the same order but
+    # for dK/dV under GQA, which takes a (j, i) pair's G heads innermost: as many copies.
     cfg = forward_config.make_config(spec, block_q=block_q, block_k=block_k, return_lse=return_lse,
                            visit_grid=False)
     if kernel == "forward":
