@@ -136,21 +136,19 @@ def _dkdv_kernel(*refs, cfg: ForwardConfig, names: RefNames, fused=False):
     b = pl.program_id(0)
     q_lengths, kv_lengths = forward_grid.static_lengths(cfg, ins["q_lengths"], ins["kv_lengths"])
     q_len, kv_len = q_lengths[b], kv_lengths[b]
+    g, last_g = pl.program_id(3), cfg.group_size - 1
     if "visits" in ins:         # (j, i) from the transposed visit list; the G heads innermost
-        j, i, flags = visit.unpack(ins["visits"][pl.program_id(2)])
-        g, last_g = pl.program_id(3), cfg.group_size - 1
-        first = jnp.logical_and((flags & visit.FIRST) != 0, g == 0)
-        last = jnp.logical_and((flags & visit.LAST) != 0, g == last_g)
-        run = (flags & visit.EMPTY) == 0    # listed = positionally visible
-        if cfg.mask_q_len or cfg.mask_kv_len:                  # run-time lengths: test them
-            lo, hi = _q_range(cfg, 0, j, (q_len,), (kv_len,))
-            run = jnp.logical_and(run, jnp.logical_and(lo <= i, i <= hi))
+        j, i, first_i, last_i, run = visit.step(ins["visits"][pl.program_id(2)])
+        ranged = cfg.mask_q_len or cfg.mask_kv_len      # listed = positionally visible
     else:
-        j, g, i = pl.program_id(2), pl.program_id(3), pl.program_id(4)
-        first = jnp.logical_and(g == 0, i == 0)
-        last = jnp.logical_and(g == cfg.group_size - 1, i == cfg.num_q_blocks - 1)
+        j, i = pl.program_id(2), pl.program_id(4)
+        first_i, last_i, run, ranged = i == 0, i == cfg.num_q_blocks - 1, None, True
+    first = jnp.logical_and(first_i, g == 0)
+    last = jnp.logical_and(last_i, g == last_g)
+    if ranged:          # exactly the index map's unclamped steps (visit grid: run-time lengths)
         lo, hi = _q_range(cfg, 0, j, (q_len,), (kv_len,), offsets_ref)
-        run = jnp.logical_and(lo <= i, i <= hi)    # exactly the index map's unclamped steps
+        in_range = jnp.logical_and(lo <= i, i <= hi)
+        run = in_range if run is None else jnp.logical_and(run, in_range)
 
     @pl.when(first)
     def _init():
@@ -196,17 +194,15 @@ def _dq_kernel(*refs, cfg: ForwardConfig, names: RefNames, has_ds):
     q_lengths, kv_lengths = forward_grid.static_lengths(cfg, ins["q_lengths"], ins["kv_lengths"])
     q_len, kv_len = q_lengths[b], kv_lengths[b]
     if "visits" in ins:                          # (i, j) from the forward's visit list
-        i, j, flags = visit.unpack(ins["visits"][pl.program_id(2)])
-        first, last = (flags & visit.FIRST) != 0, (flags & visit.LAST) != 0
-        run = (flags & visit.EMPTY) == 0        # listed = positionally visible
-        if cfg.mask_q_len or cfg.mask_kv_len:                  # run-time lengths: test them
-            lo, hi = forward_grid._kv_range(cfg, 0, i, (q_len,), (kv_len,))
-            run = jnp.logical_and(run, jnp.logical_and(lo <= j, j <= hi))
+        i, j, first, last, run = visit.step(ins["visits"][pl.program_id(2)])
+        ranged = cfg.mask_q_len or cfg.mask_kv_len      # listed = positionally visible
     else:
         i, j = pl.program_id(2), pl.program_id(3)
-        first, last = j == 0, j == cfg.num_kv_blocks - 1
+        first, last, run, ranged = j == 0, j == cfg.num_kv_blocks - 1, None, True
+    if ranged:          # exactly the index map's unclamped steps (visit grid: run-time lengths)
         lo, hi = forward_grid._kv_range(cfg, 0, i, (q_len,), (kv_len,), offsets_ref)
-        run = jnp.logical_and(lo <= j, j <= hi)
+        in_range = jnp.logical_and(lo <= j, j <= hi)
+        run = in_range if run is None else jnp.logical_and(run, in_range)
 
     @pl.when(first)
     def _init():

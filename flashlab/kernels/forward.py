@@ -140,9 +140,8 @@ def _forward_kernel(*refs, cfg: ForwardConfig, names: RefNames):
     # int32 scalars from SMEM, or Python ints when no lengths, padding or offsets are given
     q_lens, kv_lens = static_lengths(cfg, ins["q_lengths"], ins["kv_lengths"])
     q_len, kv_len = q_lens[b], kv_lens[b]
-    if cfg.visit_grid:
-        i, j, flags = visit.unpack(ins["visits"][pl.program_id(2)])
-        first, last = (flags & visit.FIRST) != 0, (flags & visit.LAST) != 0
+    if cfg.visit_grid:   # listed = positionally visible; only run-time lengths left to test
+        i, j, first, last, listed = visit.step(ins["visits"][pl.program_id(2)])
     else:
         i, j = pl.program_id(2), pl.program_id(3)
         first, last = j == 0, j == cfg.num_kv_blocks - 1
@@ -155,8 +154,8 @@ def _forward_kernel(*refs, cfg: ForwardConfig, names: RefNames):
 
     # Global positions (= local ones without offsets): the one mask definition sees those.
     q_start, k_start, q_len, kv_len = global_starts(offsets_ref, i * bq, j * bk, q_len, kv_len)
-    if cfg.visit_grid:   # listed = positionally visible; only run-time lengths left to test
-        run = (flags & visit.EMPTY) == 0
+    if cfg.visit_grid:
+        run = listed
         if cfg.mask_kv_len:
             run = jnp.logical_and(run, k_start < kv_len)
         if cfg.mask_q_len:

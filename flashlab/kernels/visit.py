@@ -23,11 +23,13 @@ the q blocks ``i`` that see it, from :func:`blocks.q_block_range`; an entry pack
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from flashlab.kernels import blocks as blk
 
-__all__ = ["FIRST", "LAST", "EMPTY", "MAX_VISITS", "visit_table", "unpack", "copied_blocks"]
+__all__ = ["FIRST", "LAST", "EMPTY", "MAX_VISITS", "visit_table", "unpack", "step", "copied_blocks"]
 
 FIRST, LAST, EMPTY = 1, 2, 4
 _J_BITS, _I_SHIFT = 13, 16
@@ -36,6 +38,7 @@ _J_BITS, _I_SHIFT = 13, 16
 MAX_VISITS = 1 << 15
 
 
+@functools.lru_cache(maxsize=64)
 def visit_table(*, num_q_blocks: int, num_kv_blocks: int, q_len: int, kv_len: int,
                 block_q: int, block_k: int, is_causal: bool = False, window=None,
                 transposed: bool = False) -> np.ndarray:
@@ -44,6 +47,7 @@ def visit_table(*, num_q_blocks: int, num_kv_blocks: int, q_len: int, kv_len: in
     Rows are q blocks (the forward and dQ kernels), or kv blocks with ``transposed`` (the
     dK/dV kernel). ``q_len``/``kv_len``: the caller's static lengths (padding past them is
     never visited). Raises ``ValueError`` when a block index does not fit its bit field.
+    Cached and read-only: a config's grid spec, its kernel call and its checks all ask for it.
     """
     rows, cols = (num_kv_blocks, num_q_blocks) if transposed else (num_q_blocks, num_kv_blocks)
     if rows >= 1 << (31 - _I_SHIFT) or cols >= 1 << _J_BITS:
@@ -62,13 +66,23 @@ def visit_table(*, num_q_blocks: int, num_kv_blocks: int, q_len: int, kv_len: in
         for c in range(lo, hi + 1):
             out.append(r << _I_SHIFT | c << 3 | (FIRST if c == lo else 0)
                        | (LAST if c == hi else 0))
-    return np.asarray(out, np.int32)
+    out = np.asarray(out, np.int32)
+    out.setflags(write=False)
+    return out
 
 
 def unpack(v):
     """``(row, column, flags)`` of a packed visit: ``(i, j, flags)``, or ``(j, i, flags)`` in
     a transposed list (Python int, NumPy array or traced int32)."""
     return v >> _I_SHIFT, (v >> 3) & ((1 << _J_BITS) - 1), v & 7
+
+
+def step(v):
+    """``(row, column, first, last, listed)`` of a packed visit, as a kernel step reads it:
+    ``first``/``last`` open and close the row (init, finalize), ``listed`` is False only for
+    an EMPTY placeholder (nothing to compute)."""
+    r, c, f = unpack(v)
+    return r, c, (f & FIRST) != 0, (f & LAST) != 0, (f & EMPTY) == 0
 
 
 def copied_blocks(seq) -> list:
