@@ -30,6 +30,19 @@ def test_vmem_bytes_counts_double_buffering():
     assert two - one == blocks
     assert vmem_bytes(128, 128, 64, jnp.float32) == two   # head_dim 64 is lane-padded to 128
     assert vmem_bytes(128, 128, 128, jnp.float32, bias_dtype=jnp.float32) > two
+    # A mask and a bias add Mosaic spill slots as well as their blocks (measured on v4).
+    tile = 128 * 128 * 4
+    masked = vmem_bytes(128, 128, 128, jnp.float32, has_mask=True, buffers=1)
+    assert masked - one == 128 * 128 + int(blk.FORWARD_SPILL_TILES["mask"] * tile)
+
+
+def test_v4_takes_the_forward_at_1024_squared():
+    # Mosaic needs 8.35 MiB for it (9.35 with lse) under v4's 16 MiB limit: the estimate
+    # (an upper bound of that) admits it, as it admits splash's 1024x1024 there.
+    blk.check_block_sizes(1024, 1024, head_dim=128, dtype=jnp.bfloat16, chip="v4",
+                          return_lse=True)
+    with pytest.raises(ValueError, match=r"over the 16 MiB limit of v4"):
+        blk.check_block_sizes(2048, 1024, head_dim=128, dtype=jnp.bfloat16, chip="v4")
 
 
 @pytest.mark.parametrize("chip", ["v4", "v5e", "v5p", "v6e", "7x"])
@@ -40,7 +53,7 @@ def test_choose_block_sizes_obeys_tiling_and_budget(chip, dtype, q_len, kv_len, 
     bq, bk = choose_block_sizes(q_len, kv_len, d, dtype, chip)
     assert bq % blk.sublane_tile(dtype) == 0 and bk % 128 == 0
     assert bq <= blk.round_up(q_len, blk.sublane_tile(dtype)) and bk <= blk.round_up(kv_len, 128)
-    assert vmem_bytes(bq, bk, d, dtype) <= blk.vmem_budget_bytes(chip)
+    assert vmem_bytes(bq, bk, d, dtype) <= blk.vmem_limit_bytes(chip)
     blk.check_block_sizes(bq, bk, head_dim=d, dtype=dtype, chip=chip)   # does not raise
 
 

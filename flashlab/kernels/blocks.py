@@ -1,4 +1,4 @@
-"""Block sizes, the (8, 128) tiling rule, the VMEM budget, padding (and, re-exported from
+"""Block sizes, the (8, 128) tiling rule, the VMEM estimates, padding (and, re-exported from
 :mod:`flashlab.kernels.block_ranges`, the visible kv range).
 
 A TPU's vector registers and VMEM are tiled in ``(sublanes, lanes) = (8, 128)`` 32-bit tiles.
@@ -61,6 +61,15 @@ DEFAULT_SCOPED_VMEM_BYTES = 16 << 20
 #: stays an upper bound: tests/test_tpu_compile.py compiles the backward with its limit set to
 #: the estimate (v4 1024x1024 plain and with segment ids, soft cap + bias, a mask, fused).
 BACKWARD_SPILL_TILES = {"dq": 1.5, "dkdv": 2.25}
+#: The forward kernel's spill slots, in float32 ``[B_r, B_c]`` tiles, measured the same way
+#: (v4 and v5e, blocks 512x512 to 2048x2048, bf16 and float32, head_dim 128 and 256, each
+#: option alone and together): 1.1-1.2 tiles on v4 (0.2-0.6 on v5e) plus a float32
+#: ``[B_r, d_v]`` P·V product. A mask adds 1.05 on v4 (no 8-bit vector ops there: the int8
+#: block is widened to int32 before the compare), a mask with segment ids 1.8 (two compares
+#: joined); a bias or segment ids alone add nothing measurable. Rounded up so the estimate
+#: stays an upper bound: tests/test_tpu_compile.py compiles the forward with its limit set
+#: to the estimate.
+FORWARD_SPILL_TILES = {"base": 1.25, "mask": 1.25, "segments": 0.75, "bias": 0.25}
 
 
 def resolve_chip(chip: str | None = None) -> str:
@@ -92,11 +101,12 @@ def vmem_capacity_bytes(chip: str | None = None) -> int:
 
 
 def vmem_budget_bytes(chip: str | None = None) -> int:
-    """What one kernel instance may plan to use: half the VMEM, at most 48 MiB.
+    """Half the VMEM, at most 48 MiB: the planning budget of an estimate that does not count
+    Mosaic's spill slots (the decode kernel's, :mod:`flashlab.kernels.decode_grid`).
 
-    Half leaves room for Mosaic's own internal scratch and for the spills of the
-    ``[block_q, block_k]`` temporaries; the kernel asks the compiler for this much
-    (``vmem_limit_bytes``) rather than relying on the 16/32 MiB default scoped limit.
+    Half leaves room for Mosaic's own internal scratch and for the spills of the temporaries.
+    The forward and backward estimates (:func:`vmem_bytes`, :func:`backward_vmem_bytes`)
+    count the spill slots as measured, so they are held to :func:`vmem_limit_bytes` instead.
     """
     return min(vmem_capacity_bytes(chip) // 2, 48 << 20)
 
@@ -120,28 +130,35 @@ def vmem_limit_bytes(chip: str | None = None) -> int:
 def vmem_bytes(block_q: int, block_k: int, head_dim: int, dtype, *, head_dim_v: int | None = None,
                bias_dtype=None, has_mask: bool = False, has_segments: bool = False,
                return_lse: bool = False, buffers: int = 2) -> int:
-    """Estimated VMEM footprint (bytes) of one forward-kernel instance.
+    """Estimated VMEM footprint (bytes) of one forward-kernel instance: an upper bound of what
+    Mosaic allocates, held to :func:`vmem_limit_bytes` (the limit the kernel asks for).
 
     Pipelined blocks count ``buffers`` times (2 = double buffering: the block in use and the
-    next one in flight): Q ``[block_q, d]``, K ``[block_k, d]``, V ``[block_k, d_v]``, O
-    ``[block_q, d_v]``, and optionally bias/mask ``[block_q, block_k]``, segment ids
-    (``[block_q, 128]`` and ``[8, block_k]`` int32) and lse ``[block_q, 128]`` float32. Scratch
-    counts once: m and l ``[block_q, 128]`` float32 (lane-replicated), acc ``[block_q, d_v]``
-    float32. Temporaries: S and P ``[block_q, block_k]`` float32. head dims are lane-padded.
+    next one in flight), as the BlockSpecs declare them: Q ``[block_q, d]``, K ``[block_k, d]``,
+    V ``[block_k, d_v]``, O ``[block_q, d_v]``, and optionally bias/mask ``[block_q, block_k]``,
+    segment ids (``[block_q, 128]`` and ``[8, block_k]`` int32) and lse ``[block_q, 128]``
+    float32. Scratch counts once: m and l ``[block_q, 128]`` float32 (lane-replicated), acc
+    ``[block_q, d_v]`` float32. On top: Mosaic's spill slots, :data:`FORWARD_SPILL_TILES`
+    float32 ``[B_r, B_c]`` tiles (more with a bias, a mask or segment ids) and one float32 ``[B_r, d_v]``
+    (the P·V product before it joins acc). head dims are lane-padded.
     """
     e = jnp.dtype(dtype).itemsize
     d, dv = lane_pad(head_dim), lane_pad(head_dim_v or head_dim)
     blocks = (block_q * d + block_k * d + block_k * dv + block_q * dv) * e
+    spill_tiles = FORWARD_SPILL_TILES["base"]
     if bias_dtype is not None:
         blocks += block_q * block_k * jnp.dtype(bias_dtype).itemsize
+        spill_tiles += FORWARD_SPILL_TILES["bias"]
     if has_mask:
         blocks += block_q * block_k
+        spill_tiles += FORWARD_SPILL_TILES["mask"]
     if has_segments:
         blocks += (block_q * LANES + SUBLANES * block_k) * 4
+        spill_tiles += FORWARD_SPILL_TILES["segments"]
     if return_lse:
         blocks += block_q * LANES * 4
     scratch = (2 * block_q * LANES + block_q * dv) * 4
-    temps = 2 * block_q * block_k * 4
+    temps = int(spill_tiles * block_q * block_k * 4) + block_q * dv * 4
     return buffers * blocks + scratch + temps
 
 
@@ -158,7 +175,8 @@ def check_block_sizes(block_q, block_k, *, head_dim, dtype, head_dim_v=None, bia
                       has_mask=False, has_segments=False, return_lse=False, chip=None,
                       vmem: bool = True) -> None:
     """Raise ``ValueError`` naming the argument if a block size breaks tiling or (``vmem``) the
-    forward kernel's VMEM budget."""
+    forward kernel's VMEM estimate exceeds the limit it asks Mosaic for
+    (:func:`vmem_limit_bytes`)."""
     for name, b in (("block_q", block_q), ("block_k", block_k)):
         if isinstance(b, bool) or not isinstance(b, (int, np.integer)):
             raise TypeError(f"{name}: expected a positive int, got {b!r}")
@@ -178,11 +196,12 @@ def check_block_sizes(block_q, block_k, *, head_dim, dtype, head_dim_v=None, bia
     need = vmem_bytes(block_q, block_k, head_dim, dtype, head_dim_v=head_dim_v,
                       bias_dtype=bias_dtype, has_mask=has_mask, has_segments=has_segments,
                       return_lse=return_lse)
-    budget = vmem_budget_bytes(chip)
-    if need > budget:
+    limit = vmem_limit_bytes(chip)
+    if need > limit:
         raise ValueError(f"block_q, block_k: ({block_q}, {block_k}) need about {need / 2**20:.1f}"
-                         f" MiB of VMEM (double-buffered blocks + scratch), over the budget of "
-                         f"{budget / 2**20:.1f} MiB; use smaller blocks")
+                         f" MiB of VMEM (double-buffered blocks, scratch, spill slots), over the "
+                         f"{limit / 2**20:.0f} MiB limit of {resolve_chip(chip)}; use smaller "
+                         f"blocks")
 
 
 def choose_block_sizes(q_len: int, kv_len: int, head_dim: int, dtype, chip: str | None = None,
@@ -197,10 +216,10 @@ def choose_block_sizes(q_len: int, kv_len: int, head_dim: int, dtype, chip: str 
     start from large blocks (B_r = 512, B_c = 1024: few grid steps, long DMAs, a full MXU;
     fixed 128-blocks leave a v5e/v6e MXU waiting on per-step overhead), never larger than the
     (padded) sequence, then halve B_c, then B_r, until :func:`vmem_bytes` fits
-    :func:`vmem_budget_bytes` of ``chip``. Both respect the tiling rule.
+    :func:`vmem_limit_bytes` of ``chip``. Both respect the tiling rule.
     """
     rule = _sublane_rule(dtype, bias_dtype, has_mask)
-    budget = vmem_budget_bytes(chip)
+    budget = vmem_limit_bytes(chip)
     if is_causal is not None:
         e = tuned_blocks.lookup(q_len, kv_len, head_dim, dtype, resolve_chip(chip),
                                 is_causal=is_causal)
@@ -282,7 +301,7 @@ def backward_vmem_bytes(block_q: int, block_k: int, head_dim: int, dtype, *,
 
 def _backward_fits(bq, bk, head_dim, dtype, chip, **kw) -> bool:
     """The estimate counts Mosaic's own spill slots, so it is held to the limit the kernels
-    ask for (:func:`vmem_limit_bytes`), not to the forward's half-VMEM planning budget."""
+    ask for (:func:`vmem_limit_bytes`), as the forward's is."""
     return backward_vmem_bytes(bq, bk, head_dim, dtype, **kw) <= vmem_limit_bytes(chip)
 
 

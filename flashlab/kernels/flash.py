@@ -113,7 +113,8 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None, is_c
 
       block_q, block_k: B_r and B_c. Default: :func:`flashlab.kernels.choose_block_sizes` for
         this TPU generation. block_q must be a multiple of the sublane tile (8 fp32, 16 bf16,
-        32 with a mask), block_k of 128, and the blocks must fit the VMEM budget; otherwise
+        32 with a mask), block_k of 128, and the blocks' VMEM estimate (``blocks.vmem_bytes``)
+        must fit the limit the kernel asks for (``blocks.vmem_limit_bytes``); otherwise
         ``ValueError`` naming the argument.
       interpret: ``None`` (compiled with Mosaic on a TPU, the generic interpreter elsewhere),
         ``True``/``False``, or a ``pltpu.InterpretParams`` (TPU interpret mode).

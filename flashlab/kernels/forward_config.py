@@ -141,7 +141,7 @@ def make_config(spec: AttentionSpec, *, block_q=None, block_k=None, return_lse=F
     dense grid; ``True`` where it is impossible raises ``ValueError``.
     ``backward_blocks``: the blocks are the backward kernels', already held to their own VMEM
     estimate (:func:`flashlab.kernels.backward_grid.make_backward_config`); only the tiling
-    rule is checked here, not the forward's VMEM budget.
+    rule is checked here, not the forward's VMEM estimate.
     """
     chip = blk.resolve_chip(chip)
     dt = jnp.dtype(spec.dtype)
