@@ -139,8 +139,8 @@ def vmem_bytes(block_q: int, block_k: int, head_dim: int, dtype, *, head_dim_v: 
     segment ids (``[block_q, 128]`` and ``[8, block_k]`` int32) and lse ``[block_q, 128]``
     float32. Scratch counts once: m and l ``[block_q, 128]`` float32 (lane-replicated), acc
     ``[block_q, d_v]`` float32. On top: Mosaic's spill slots, :data:`FORWARD_SPILL_TILES`
-    float32 ``[B_r, B_c]`` tiles (more with a bias, a mask or segment ids) and one float32 ``[B_r, d_v]``
-    (the P·V product before it joins acc). head dims are lane-padded.
+    float32 ``[B_r, B_c]`` tiles (more with a bias, a mask or segment ids) and one float32
+    ``[B_r, d_v]`` (the P·V product before it joins acc). head dims are lane-padded.
     """
     e = jnp.dtype(dtype).itemsize
     d, dv = lane_pad(head_dim), lane_pad(head_dim_v or head_dim)
