@@ -328,7 +328,8 @@ def test_backward_grids_are_the_kernels_own():
     spec = validate(jnp.zeros((1, 300, 4, 64)), jnp.zeros((1, 300, 2, 64)),
                     jnp.zeros((1, 300, 2, 64)), is_causal=True)[3]
     # causal: the visit grids, 6 of the 3 x 3 block pairs (kv rows for dK/dV, heads innermost)
-    gs = backward_grid_specs(make_backward_config(spec, block_q=128, block_k=128))
+    gs = backward_grid_specs(make_backward_config(spec, block_q=128, block_k=128,
+                                                  visit_grid=True))
     assert gs["dkdv"].grid == (1, 2, 6, 2) and gs["dq"].grid == (1, 4, 6)
     assert gs["dkdv"].dimension_semantics == ("parallel", "parallel", "arbitrary", "arbitrary")
     cfg = make_backward_config(spec, block_q=128, block_k=128, visit_grid=False)

@@ -78,6 +78,23 @@ def test_auto_visit_grid_only_where_it_skips_steps():
         cfg(True, visit_grid="yes")
 
 
+@pytest.mark.parametrize("T, block, chip, bwd_on_visits", [
+    (2048, 1024, "7x", False), (8192, 1024, "v5e", True), (2048, 512, "7x", True),
+    (2048, 512, "v5e", False)])
+def test_the_backward_takes_a_visit_list_only_where_it_pays(T, block, chip, bwd_on_visits):
+    # causal: T=2048 at 1024² keeps 3 of 4 steps (the forward's visit step pays, the
+    # backward's dearer ones do not: forward_config.VISIT_MAX_SHARE), T=8192 keeps 36 of 64,
+    # T=2048 at 512² 10 of 16 (enough, except on v5e, whose dense step is the cheapest).
+    x = jnp.zeros((1, T, 2, 128), jnp.bfloat16)
+    spec = masks.validate(x, x, x, None, None, is_causal=True)[3]
+    fwd = forward_config.make_config(spec, block_q=block, block_k=block, chip=chip)
+    bwd = backward_grid.make_backward_config(spec, block_q=block, block_k=block, chip=chip)
+    assert fwd.visit_grid
+    assert bwd.visit_grid == bwd_on_visits
+    assert backward_grid.make_backward_config(spec, block_q=block, block_k=block, chip=chip,
+                                              visit_grid=True).visit_grid
+
+
 def test_visit_grid_refused_with_offsets():
     import dataclasses
     q, k, v, a = _spec(256, 256, True, None)

@@ -51,7 +51,8 @@ def make_backward_config(spec: AttentionSpec, *, block_q=None, block_k=None,
     :func:`blocks.resolve_chip`). ``block_q`` is rounded up to a multiple of 128: the dK/dV
     kernel computes the transposed tile ``Sᵀ [B_c, B_r]``, where B_r is the lane dim.
     ``fused``: size them for the fused backward (one kernel, its float32 dQ partials).
-    ``visit_grid``: as in :func:`forward_config.make_config` (``None``: where it skips steps).
+    ``visit_grid``: as in :func:`forward_config.make_config` (``None``: where it skips enough
+    steps to pay, :data:`forward_config.VISIT_MAX_SHARE`).
     """
     chip = blk.resolve_chip(chip)
     dt = jnp.dtype(spec.dtype)

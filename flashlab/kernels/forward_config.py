@@ -135,10 +135,11 @@ def make_config(spec: AttentionSpec, *, block_q=None, block_k=None, return_lse=F
     ``chip``: the TPU generation to size blocks and the VMEM limit for; ``None`` reads the
     compile target (:func:`flashlab.kernels.blocks.resolve_chip`: explicit ``chip`` wins).
     ``visit_grid``: run the forward, and the backward's dQ and dK/dV kernels, over the visible
-    blocks only (:mod:`.visit`); ``None``
-    (default) does so when that removes grid steps (causal, window, padding) and the request
-    has no offsets (traced offsets move the visible set at run time), ``False`` keeps the
-    dense grid; ``True`` where it is impossible raises ``ValueError``.
+    blocks only (:mod:`.visit`); ``None`` (default) does so when that removes enough grid
+    steps to pay for the dearer visit step (:data:`VISIT_MAX_SHARE`: any for the forward, a
+    third for the backward, 40% on v5e) and the request has no offsets (traced offsets move the visible
+    set at run time), ``False`` keeps the dense grid; ``True`` where it is impossible raises
+    ``ValueError``.
     ``backward_blocks``: the blocks are the backward kernels', already held to their own VMEM
     estimate (:func:`flashlab.kernels.backward_grid.make_backward_config`); only the tiling
     rule is checked here, not the forward's VMEM estimate.
@@ -169,7 +170,8 @@ def make_config(spec: AttentionSpec, *, block_q=None, block_k=None, return_lse=F
         mask_kv_len=spec.kv_lengths is not None or blk.round_up(spec.kv_len, int(block_k)) != spec.kv_len,
         return_lse=return_lse, has_offsets=spec.has_offsets, chip=chip,
         has_sinks=spec.sinks is not None)
-    return dataclasses.replace(cfg, visit_grid=_use_visit_grid(cfg, visit_grid),
+    kernel = "backward" if backward_blocks else "forward"
+    return dataclasses.replace(cfg, visit_grid=_use_visit_grid(cfg, visit_grid, kernel),
                                log2_scores=_log2_scores(cfg))
 
 
@@ -188,7 +190,28 @@ def _log2_scores(cfg: ForwardConfig) -> bool:
     return cfg.soft_cap is None and (cfg.chip, cfg.masks_tile) not in KEEP_NATURAL_SCORES
 
 
-def _use_visit_grid(cfg: ForwardConfig, want: bool | None) -> bool:
+#: The largest share of the dense grid's steps a visit list may keep and still be chosen by
+#: default (``visit_grid=None``), per kernel and chip. A visit step reads its block indices
+#: from SMEM and costs more than a dense one in the backward kernels, so skipping a quarter of
+#: the steps does not pay there. Measured with ``bench tpu-static`` (jax 0.12.0.1, libtpu
+#: 0.0.50.1; causal, bf16, d=128, each kernel on both grids):
+#:
+#: * T=2048, 1024² (the list keeps 3 of 4 steps): the forward's list wins on all five chips
+#:   (v5e 0.402 -> 0.397 ms, 7x 0.0873 -> 0.0863), the backward's lose on all five (dK/dV
+#:   v5e 0.570 against 0.581 ms, 7x 0.1130 against 0.1133; dQ likewise);
+#: * T=2048, 512² (10 of 16): the backward's win on v4, v5p, v6e and 7x (dK/dV 7x 0.142 ->
+#:   0.137 ms) and lose on v5e, whose dense step is the cheapest (dK/dV 206 cycles against a
+#:   visit step of 437; 0.566 against 0.590 ms);
+#: * T=8192, 1024² (36 of 64): the backward's win everywhere (v5e by 0.2%).
+VISIT_MAX_SHARE = {("forward", None): 1.0, ("backward", None): 2 / 3, ("backward", "v5e"): 0.6}
+
+
+def visit_max_share(kernel: str, chip: str | None) -> float:
+    """:data:`VISIT_MAX_SHARE` of ``kernel`` ("forward" or "backward") on ``chip``."""
+    return VISIT_MAX_SHARE.get((kernel, chip), VISIT_MAX_SHARE[(kernel, None)])
+
+
+def _use_visit_grid(cfg: ForwardConfig, want: bool | None, kernel: str = "forward") -> bool:
     if want is not None and not isinstance(want, bool):
         raise TypeError(f"visit_grid: expected None, True or False, got {want!r}")
     if want is False:
@@ -200,8 +223,9 @@ def _use_visit_grid(cfg: ForwardConfig, want: bool | None) -> bool:
         n = len(cfg.visits())
         if n > visit.MAX_VISITS:
             why = f"{n} visits per (batch, head) exceed visit.MAX_VISITS={visit.MAX_VISITS}"
-        elif want is None and n >= cfg.num_q_blocks * cfg.num_kv_blocks:
-            return False                     # nothing skipped: the dense grid is as short
+        elif want is None and (n >= cfg.num_q_blocks * cfg.num_kv_blocks or
+                               n > visit_max_share(kernel, cfg.chip) * cfg.num_q_blocks * cfg.num_kv_blocks):
+            return False         # nothing skipped, or too little to pay for the dearer steps
     if why is not None:
         if want:
             raise ValueError(f"visit_grid=True: not possible here: {why}")
