@@ -11,6 +11,8 @@ def test_gpu_style_vmem_grows_with_n_and_crosses_the_budget():
     big = gpu_style.gpu_style_vmem_bytes(65536, 128, "bfloat16")
     assert big > 32 * small > 0
     assert big > blocks.vmem_budget_bytes("v5e")
+    # at head_dim 256 it crosses even the limit flashlab's kernels ask for (the figure's line)
+    assert gpu_style.gpu_style_vmem_bytes(65536, 256, "bfloat16") > blocks.vmem_limit_bytes("v5e")
     bq, bk = blocks.choose_block_sizes(65536, 65536, 128, "bfloat16", "v5e")
     assert blocks.vmem_bytes(bq, bk, 128, "bfloat16") <= blocks.vmem_limit_bytes("v5e")
 

@@ -137,9 +137,9 @@ def make_config(spec: AttentionSpec, *, block_q=None, block_k=None, return_lse=F
     ``visit_grid``: run the forward, and the backward's dQ and dK/dV kernels, over the visible
     blocks only (:mod:`.visit`); ``None`` (default) does so when that removes enough grid
     steps to pay for the dearer visit step (:data:`VISIT_MAX_SHARE`: any for the forward, a
-    third for the backward, 40% on v5e) and the request has no offsets (traced offsets move the visible
-    set at run time), ``False`` keeps the dense grid; ``True`` where it is impossible raises
-    ``ValueError``.
+    third for the backward, 40% on v5e) and the request has no offsets (traced offsets move
+    the visible set at run time), ``False`` keeps the dense grid; ``True`` where it is
+    impossible raises ``ValueError``.
     ``backward_blocks``: the blocks are the backward kernels', already held to their own VMEM
     estimate (:func:`flashlab.kernels.backward_grid.make_backward_config`); only the tiling
     rule is checked here, not the forward's VMEM estimate.
@@ -223,9 +223,10 @@ def _use_visit_grid(cfg: ForwardConfig, want: bool | None, kernel: str = "forwar
         n = len(cfg.visits())
         if n > visit.MAX_VISITS:
             why = f"{n} visits per (batch, head) exceed visit.MAX_VISITS={visit.MAX_VISITS}"
-        elif want is None and (n >= cfg.num_q_blocks * cfg.num_kv_blocks or
-                               n > visit_max_share(kernel, cfg.chip) * cfg.num_q_blocks * cfg.num_kv_blocks):
-            return False         # nothing skipped, or too little to pay for the dearer steps
+        elif want is None:
+            dense = cfg.num_q_blocks * cfg.num_kv_blocks
+            if n >= dense or n > visit_max_share(kernel, cfg.chip) * dense:
+                return False     # nothing skipped, or too little to pay for the dearer steps
     if why is not None:
         if want:
             raise ValueError(f"visit_grid=True: not possible here: {why}")
