@@ -220,25 +220,22 @@ def choose_block_sizes(q_len: int, kv_len: int, head_dim: int, dtype, chip: str 
     :func:`vmem_limit_bytes` of ``chip``. Both respect the tiling rule.
     """
     rule = _sublane_rule(dtype, bias_dtype, has_mask)
-    budget = vmem_limit_bytes(chip)
+    limit = vmem_limit_bytes(chip)
+
+    def fits(bq, bk):
+        return vmem_bytes(bq, bk, head_dim, dtype, head_dim_v=head_dim_v, bias_dtype=bias_dtype,
+                          has_mask=has_mask, has_segments=has_segments,
+                          return_lse=return_lse) <= limit
+
     if is_causal is not None:
         e = tuned_blocks.lookup(q_len, kv_len, head_dim, dtype, resolve_chip(chip),
                                 is_causal=is_causal)
         if (e is not None and e["block_q"] % rule == 0 and e["block_k"] % LANES == 0
                 and e["block_q"] <= round_up(q_len, rule)
-                and e["block_k"] <= round_up(kv_len, LANES)
-                and vmem_bytes(e["block_q"], e["block_k"], head_dim, dtype,
-                               head_dim_v=head_dim_v, bias_dtype=bias_dtype, has_mask=has_mask,
-                               has_segments=has_segments, return_lse=return_lse) <= budget):
+                and e["block_k"] <= round_up(kv_len, LANES) and fits(e["block_q"], e["block_k"])):
             return e["block_q"], e["block_k"]
     bq = min(512, round_up(q_len, rule))
     bk = min(1024 if lane_pad(head_dim) <= 128 else 512, round_up(kv_len, LANES))
-
-    def fits(bq, bk):
-        return vmem_bytes(bq, bk, head_dim, dtype, head_dim_v=head_dim_v, bias_dtype=bias_dtype,
-                          has_mask=has_mask, has_segments=has_segments,
-                          return_lse=return_lse) <= budget
-
     return _shrink_to_fit(fits, bq, bk, rule)
 
 
