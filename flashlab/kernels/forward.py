@@ -23,6 +23,7 @@ scalar-prefetched into SMEM together with the q length.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -127,6 +128,32 @@ def tile_visible(ins, cfg: ForwardConfig, q_start, k_start, q_len, kv_len, *,
     return visible
 
 
+#: The inputs whose blocks have the query block's rows as their first axis.
+ROW_INPUTS = ("q", "bias", "mask", "q_segment_ids")
+
+
+class _Rows:
+    """``ref[rows, :]`` read as ``view[...]``: a row chunk of a block, seen by
+    :func:`score_tile` as if it were the whole block."""
+
+    def __init__(self, ref, rows):
+        self.ref, self.rows = ref, rows
+
+    def __getitem__(self, index):
+        assert index is Ellipsis, index
+        return self.ref[self.rows, :]
+
+
+def rows_of(ins, rows, block_q: int):
+    """``ins`` with each of :data:`ROW_INPUTS` cut to the row chunk ``rows`` (a ``pl.ds``); a
+    block broadcast over the rows (a bias or mask block of one row) is kept whole. The whole
+    block (``rows`` spanning ``block_q``) is ``ins`` itself."""
+    if rows.size == block_q:
+        return ins
+    return {name: _Rows(ref, rows) if name in ROW_INPUTS and ref.shape[0] == block_q else ref
+            for name, ref in ins.items()}
+
+
 def _forward_kernel(*refs, cfg: ForwardConfig, names: RefNames):
     """One grid step ``(b, h, i, j)`` (or ``(b, h, t)`` of the visit grid): fold S_ij into
     (m, l, acc); init at the row's first step, finalize at its last. ``refs`` are named by
@@ -168,15 +195,23 @@ def _forward_kernel(*refs, cfg: ForwardConfig, names: RefNames):
 
     @pl.when(run)
     def _compute():
-        s, _, visible = score_tile(ins, cfg, q_start, k_start, q_len, kv_len)  # [B_r, B_c]
-        # m and l stay lane-replicated [B_r, 128] and are updated elementwise: the tile's row
-        # max and row sum are the only cross-lane reductions of a step.
-        state = online_softmax.State(m_ref[...], l_ref[...], acc_ref[...])
-        m, l, acc = online_softmax.update(state, s, ins["v"][...], visible=visible, lanes=True,
-                                          base2=cfg.log2_scores)
-        m_ref[...] = m
-        l_ref[...] = l
-        acc_ref[...] = acc
+        # The tile as cfg.row_chunks independent chains of rows (FORWARD_ROW_CHUNKS): the
+        # scheduler overlaps one chunk's softmax with the next chunk's matmuls.
+        rows = bq // cfg.row_chunks
+        ccfg = dataclasses.replace(cfg, block_q=rows)            # the tile shape of a chunk
+        for c in range(cfg.row_chunks):                         # unrolled: static slices
+            r = pl.ds(c * rows, rows)
+            cins = rows_of(ins, r, bq)
+            s, _, visible = score_tile(cins, ccfg, q_start + c * rows, k_start, q_len,
+                                       kv_len)                  # [rows, B_c]
+            # m and l stay lane-replicated [rows, 128] and are updated elementwise: the
+            # tile's row max and row sum are the only cross-lane reductions of a step.
+            state = online_softmax.State(m_ref[r, :], l_ref[r, :], acc_ref[r, :])
+            m, l, acc = online_softmax.update(state, s, ins["v"][...], visible=visible,
+                                              lanes=True, base2=cfg.log2_scores)
+            m_ref[r, :] = m
+            l_ref[r, :] = l
+            acc_ref[r, :] = acc
 
     @pl.when(last)
     def _finalize():                                              # O_i = acc * (1 / l)

@@ -61,6 +61,7 @@ class ForwardConfig:
     has_sinks: bool = False         # sinks [Hq]: merged into each row's state at finalize
     visit_grid: bool = False        # grid (B, H, n) over the visible blocks (kernels/visit.py)
     log2_scores: bool = False       # scale·log2(e) folded into Q_i, softmax in base 2 (below)
+    chunk_rows: int | None = None   # the forward's tile folded in row chunks of this many
 
     @property
     def masks_tile(self) -> bool:
@@ -68,6 +69,11 @@ class ForwardConfig:
         segments or a mask. ``False``: every score is visible and the kernels build no mask."""
         return (self.is_causal or self.window is not None or self.mask_q_len
                 or self.mask_kv_len or self.has_segments or self.mask_bcast is not None)
+
+    @property
+    def row_chunks(self) -> int:
+        """How many row chunks the forward folds one tile in (:data:`FORWARD_ROW_CHUNKS`)."""
+        return 1 if self.chunk_rows is None else self.block_q // self.chunk_rows
 
     @property
     def group_size(self) -> int:
@@ -172,7 +178,38 @@ def make_config(spec: AttentionSpec, *, block_q=None, block_k=None, return_lse=F
         has_sinks=spec.sinks is not None)
     kernel = "backward" if backward_blocks else "forward"
     return dataclasses.replace(cfg, visit_grid=_use_visit_grid(cfg, visit_grid, kernel),
-                               log2_scores=_log2_scores(cfg))
+                               log2_scores=_log2_scores(cfg),
+                               chunk_rows=None if backward_blocks else _chunk_rows(cfg))
+
+
+#: How many row chunks the forward folds its ``[B_r, B_c]`` tile in, per chip (absent: one).
+#: Folded as one chain (``Q_i K_jᵀ`` on the MXU, then the softmax on the VPU, EUP and XLU, then
+#: ``P V_j`` on the MXU) the tile leaves the MXU idle while the softmax runs: each stage needs
+#: the whole of the one before (a row's max needs every column of ``Q_i K_jᵀ``). Rows are
+#: independent, so cut into chunks of rows the tile is several chains, and the compiler's
+#: scheduler runs one chunk's softmax under the next chunk's matmuls. Measured with
+#: ``bench tpu-static`` (jax 0.12.0.1, libtpu 0.0.50.1; B=2 H=16 d=128 bf16; cycles of one
+#: tile for 1 / 2 / 4 / 8 chunks): causal T=8192 1024²: v5e 5421 / 5040 / 4808 / 5568, v5p
+#: 5387 / 5053 / 4818, v4 7002 / 6588 / 6588, v6e 3368 / 3288 / 3746 / 5114, 7x 3420 / 3487 /
+#: 4016 (7x keeps one chain); non-causal 1024 × 2048: v5e 10191 / 9383 / 8723, v5p 10215 /
+#: 9348 / 8791; 2048 × 1024: v6e 5745 / 5386 / 5614. Smaller tiles lose: at 512² two chunks
+#: cost v5e 1328 -> 1341 cycles, v6e 1001 -> 1309, and v4's 2048 × 512 5548 -> 5868, hence
+#: :data:`CHUNK_MIN_BLOCK_K` and :data:`CHUNK_MIN_ROWS`.
+FORWARD_ROW_CHUNKS = {"v5e": 4, "v5p": 4, "v4": 2, "v6e": 2}
+CHUNK_MIN_BLOCK_K = 1024     # a narrower tile has too little softmax to hide
+CHUNK_MIN_ROWS = 256         # a chunk of fewer rows has too little matmul to hide it under
+
+
+def _chunk_rows(cfg: ForwardConfig) -> int | None:
+    """The rows of one chunk of the forward's tile (:data:`FORWARD_ROW_CHUNKS`, as many chunks
+    as leave :data:`CHUNK_MIN_ROWS` rows each), ``None`` for one chain: on a chip without an
+    entry, for ``block_k < CHUNK_MIN_BLOCK_K``, or where two chunks do not fit the block.
+    Chunks are whole multiples of 32 rows, so that each starts on a whole (sublane) tile of
+    every block it cuts (float32 8 rows, bfloat16 16, the int8 mask 32)."""
+    chunks = min(FORWARD_ROW_CHUNKS.get(cfg.chip, 1), cfg.block_q // CHUNK_MIN_ROWS)
+    if chunks < 2 or cfg.block_k < CHUNK_MIN_BLOCK_K or cfg.block_q % (32 * chunks):
+        return None
+    return cfg.block_q // chunks
 
 
 #: Where the forward keeps its scores unscaled-and-natural: (chip, masked tile). Elsewhere it
