@@ -196,6 +196,66 @@ def test_tpu_interpret_mode_no_races_no_uninitialized_reads(case):
     assert compat.races_found() is False
 
 
+def _chunked(monkeypatch, chunks=4):
+    """Make the v5e forward fold a 128-row tile in ``chunks`` row chunks (the real table
+    chunks only tiles of at least 1024 columns, too big for an interpreted test)."""
+    from flashlab.kernels import forward_config
+    monkeypatch.setitem(forward_config.FORWARD_ROW_CHUNKS, "v5e", chunks)
+    monkeypatch.setattr(forward_config, "CHUNK_MIN_ROWS", 32)
+    monkeypatch.setattr(forward_config, "CHUNK_MIN_BLOCK_K", 128)
+
+
+@pytest.mark.parametrize("option", ["none", "causal_window", "seq_lengths", "segments_pair",
+                                    "dense_mask", "bias", "bias_broadcast", "soft_cap",
+                                    "sinks", "everything"])
+def test_row_chunks_match_the_oracle(monkeypatch, option):
+    """The tile folded in 4 independent row chunks (forward_config.FORWARD_ROW_CHUNKS) is the
+    same attention: every operand with query rows (q, bias, mask, segment ids) is cut to the
+    chunk, a broadcast one is not, and the chunk's mask sees its own global rows."""
+    from flashlab.kernels.forward_config import make_config
+    _chunked(monkeypatch)
+    rng = np.random.default_rng(12)
+    B, T, S, N, K, H = 2, 200, 300, 4, 2, 64      # 2 q blocks of 128 (the second padded)
+    q, k, v = random_qkv(rng, B, T, S, N, K, H)
+    kw = mask_kwargs(option, rng, B, T, S, N)
+    *_, spec = validate(*(jnp.asarray(x) for x in (q, k, v)), **kw)
+    cfg = make_config(spec, block_q=128, block_k=128, chip="v5e")
+    assert (cfg.chunk_rows, cfg.row_chunks) == (32, 4)
+    _check(q, k, v, kw, block_q=128, block_k=128, chip="v5e")
+
+
+def test_row_chunks_no_races_in_tpu_interpret_mode(monkeypatch):
+    """Chunks write disjoint rows of m, l and acc: the race detector agrees (bf16, a mask,
+    segments and a bias cut per chunk)."""
+    _chunked(monkeypatch, chunks=2)
+    rng = np.random.default_rng(13)
+    B, T, S, N, K, H = 1, 64, 256, 2, 1, 128
+    q, k, v = random_qkv(rng, B, T, S, N, K, H)
+    kw = mask_kwargs("everything", rng, B, T, S, N)
+    _check(q, k, v, kw, dtype=jnp.bfloat16, interpret=device.tpu_interpret_params(),
+           block_q=64, block_k=128, chip="v5e")
+    assert compat.races_found() is False
+
+
+def test_row_chunks_only_where_measured_to_pay():
+    """forward_config.FORWARD_ROW_CHUNKS: wide tiles on v5e, v5p, v4 and v6e; never on 7x, at
+    512², with fewer than 1024 columns, or for the backward's kernels."""
+    from flashlab.kernels.forward_config import make_config
+    q = jnp.zeros((1, 4096, 2, 128), jnp.bfloat16)
+    *_, spec = validate(q, q, q, is_causal=True)
+    rows = lambda chip, bq, bk, **kw: make_config(  # noqa: E731
+        spec, block_q=bq, block_k=bk, chip=chip, **kw).chunk_rows
+    assert [rows(c, 1024, 1024) for c in ("v5e", "v5p", "v4", "v6e", "7x")] == [
+        256, 256, 512, 512, None]
+    assert rows("v5e", 1024, 2048) == 256 and rows("v6e", 2048, 1024) == 1024
+    assert rows("v5e", 512, 1024) == 256                # two chunks of at least 256 rows
+    assert rows("v5e", 512, 512) is None and rows("v4", 2048, 512) is None
+    assert rows("v5e", 1024, 1024, backward_blocks=True) is None
+    # a masked tile on v5e keeps natural logits in one chain, base 2 in chunks
+    log2 = lambda bq, bk: make_config(spec, block_q=bq, block_k=bk, chip="v5e").log2_scores  # noqa
+    assert log2(512, 512) is False and log2(1024, 1024) is True
+
+
 @pytest.mark.parametrize("chip, causal, log2", [("v5e", True, False), ("v6e", True, True),
                                                 ("v5e", False, True), ("7x", False, True)])
 @pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])

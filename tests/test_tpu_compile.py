@@ -152,7 +152,9 @@ def test_a_mistake_in_the_call_raises_as_under_jit():
 # (chip, block_q, block_k, options): the forward (with lse, as training runs it) compiled with
 # its scoped-VMEM limit set to blocks.vmem_bytes itself, so Mosaic checks that the estimate
 # bounds its real need (measured: v4 1024x1024 needs 9.35 MiB against an estimate of 10.0; a
-# mask with segment ids is the tightest there, 10.32 against 11.06 at 512x1024).
+# mask with segment ids is the tightest there, 10.32 against 11.06 at 512x1024). Tiles of 1024
+# columns run in row chunks on v4 and v5e (forward_config.FORWARD_ROW_CHUNKS) and are checked
+# that way.
 _FORWARD_ESTIMATE_CASES = [
     ("v4", 1024, 1024, {}),
     ("v4", 1024, 512, {"bias": True, "mask": True, "segments": True, "soft_cap": True}),
@@ -160,6 +162,8 @@ _FORWARD_ESTIMATE_CASES = [
     ("v4", 512, 1024, {"mask": True, "segments": True}),
     ("v4", 512, 512, {"d": 256}),
     ("v5e", 2048, 1024, {}),
+    # four row chunks of 256 (FORWARD_ROW_CHUNKS): the bias, int8 mask and segment ids cut
+    ("v5e", 1024, 1024, {"bias": True, "mask": True, "segments": True}),
 ]
 
 

@@ -177,9 +177,9 @@ def make_config(spec: AttentionSpec, *, block_q=None, block_k=None, return_lse=F
         return_lse=return_lse, has_offsets=spec.has_offsets, chip=chip,
         has_sinks=spec.sinks is not None)
     kernel = "backward" if backward_blocks else "forward"
-    return dataclasses.replace(cfg, visit_grid=_use_visit_grid(cfg, visit_grid, kernel),
-                               log2_scores=_log2_scores(cfg),
-                               chunk_rows=None if backward_blocks else _chunk_rows(cfg))
+    cfg = dataclasses.replace(cfg, visit_grid=_use_visit_grid(cfg, visit_grid, kernel),
+                              chunk_rows=None if backward_blocks else _chunk_rows(cfg))
+    return dataclasses.replace(cfg, log2_scores=_log2_scores(cfg))
 
 
 #: How many row chunks the forward folds its ``[B_r, B_c]`` tile in, per chip (absent: one).
@@ -218,13 +218,18 @@ def _chunk_rows(cfg: ForwardConfig) -> int | None:
 #: multiply per score). The static schedule (B=2 T=8192 H=16 d=128 bf16, jax 0.12.0.1 / libtpu
 #: 0.0.50.1) decides: the tile falls 6-15% on v4, v6e and 7x and, non-causal, 4-6% on v5e and
 #: v5p, but a causal tile on v5e and v5p gets 3% slower (their MXU-bound schedule packs worse).
+#: A tile folded in row chunks (:data:`FORWARD_ROW_CHUNKS`) packs the other way: base 2 wins
+#: there on v5e and v5p too (causal 1024²: 4808 -> 4701 cycles on v5e, 4818 -> 4716 on v5p;
+#: 512 × 1024: 2599 -> 2560 on both), so these chips keep natural logits only in one chain.
 KEEP_NATURAL_SCORES = frozenset({("v5e", True), ("v5p", True)})
 
 
 def _log2_scores(cfg: ForwardConfig) -> bool:
-    """Fold ``scale·log2(e)`` into the query block (:data:`KEEP_NATURAL_SCORES` says where not).
-    Never with a soft cap (``tanh`` needs the scaled logit first)."""
-    return cfg.soft_cap is None and (cfg.chip, cfg.masks_tile) not in KEEP_NATURAL_SCORES
+    """Fold ``scale·log2(e)`` into the query block (:data:`KEEP_NATURAL_SCORES` says where not:
+    a tile in one chain there). Never with a soft cap (``tanh`` needs the scaled logit
+    first)."""
+    return cfg.soft_cap is None and (cfg.chunk_rows is not None or (
+        cfg.chip, cfg.masks_tile) not in KEEP_NATURAL_SCORES)
 
 
 #: The largest share of the dense grid's steps a visit list may keep and still be chosen by
