@@ -65,3 +65,49 @@ def test_backward_pairs_are_ranked_by_dq_plus_dkdv(tmp_path, monkeypatch):
     import pytest
     with pytest.raises(ValueError, match="kernel: expected one of"):
         tuned_blocks.lookup(8192, 8192, 128, bf, "v6e", is_causal=True, kernel="dq")
+
+
+def test_head_dim_64_is_its_own_class_and_falls_back_to_128(tmp_path, monkeypatch):
+    """d = 64 runs unpadded (tiling.kernel_head_dim), so it is measured as its own class; a
+    request of d = 64 without one takes the 128-lane class, as it did before."""
+    rows = [dict(r, head_dim=64, block_q=r["block_q"] * 2) for r in _rows()] + _rows()
+    p = tmp_path / "tpu_blocks.json"
+    tuned_blocks.write(p, tuned_blocks.entries_from_rows(rows, dtype="bfloat16", command="c",
+                                                         commit="k", versions={}))
+    assert sorted((e["head_dim"], e["block_q"], e["block_k"]) for e in tuned_blocks.table(p)) \
+        == [(64, 2048, 512), (128, 1024, 512)]
+    look = lambda d, path=p: tuned_blocks.lookup(8192, 8192, d, jnp.bfloat16, "v5e",  # noqa
+                                                 is_causal=True, path=path)
+    assert look(64)["block_q"] == 2048 and look(128)["block_q"] == 1024
+    assert look(80)["block_q"] == 1024          # no class of 80: the 128-lane one
+    only128 = tmp_path / "only128.json"
+    tuned_blocks.write(only128, tuned_blocks.entries_from_rows(
+        _rows(), dtype="bfloat16", command="c", commit="k", versions={}))
+    assert look(64, only128)["block_q"] == 1024
+
+
+def test_tpu_blocks_ranks_every_stored_row(tmp_path, capsys):
+    """``bench tpu-blocks`` ranks the rows of several stored runs together (a pair measured in
+    one run, a faster one in another) and records the commits it ranked; a default-blocks row
+    and a sweep row of the same pair count once, at the lower estimate."""
+    import json
+    from flashlab.benchmarks import tpu_blocks
+    a, b = _rows()[:2], _rows()[2:]
+    a = [dict(r, commit="aaa") for r in a] + [dict(a[0], blocks="default", est_cycles=12,
+                                                   commit="old")]
+    b = [dict(r, commit="bbb", est_cycles=6 if r["library"] == "flashlab" else 1) for r in b]
+    runs = []
+    for name, rows in (("a.json", a), ("b.json", b)):
+        runs.append(tmp_path / name)
+        runs[-1].write_text(json.dumps(dict(versions={"jax": "x"}, rows=rows)))
+    table = tmp_path / "tpu_blocks.json"
+    assert tpu_blocks.main(["--runs", *map(str, runs), "--table", str(table)]) == 0
+    (e,) = tuned_blocks.table(table)
+    assert (e["block_q"], e["block_k"], e["est_cycles"]) == (512, 1024, 6)
+    assert {(t["block_q"], t["block_k"]): t["est_cycles"] for t in e["tried"]} == {
+        (512, 512): 9, (1024, 512): 7, (512, 1024): 6}
+    assert e["row_commits"] == ["aaa", "bbb", "old"] and e["versions"] == {"jax": "x"}
+    assert "512x1024 (3 pairs)" in capsys.readouterr().out
+    import pytest
+    with pytest.raises(SystemExit):
+        tpu_blocks.main(["--runs", str(tmp_path / "missing.json")])

@@ -7,7 +7,8 @@ achieved FLOP/s (``4·B·H·N²·d``, halved when causal), the fraction of the d
 and their times then measure the interpreter, not the kernel.
 
 Subcommands: ``python -m flashlab bench tiled ...`` runs ``flashlab.benchmarks.tiled.main(argv)``;
-``bench tpu-static`` runs ``flashlab.benchmarks.tpu_static`` (the TPU compiler's static schedule).
+``bench tpu-static`` runs ``flashlab.benchmarks.tpu_static`` (the TPU compiler's static schedule);
+``bench tpu-blocks`` ranks its stored runs into the default-blocks table.
 ``bench generate`` runs ``flashlab.benchmarks.generate.main(argv)`` (KV cache vs recompute).
 """
 from __future__ import annotations
@@ -42,7 +43,8 @@ TPU_PEAK_BF16_FLOPS = {
 
 SUBCOMMANDS = {"tiled": "flashlab.benchmarks.tiled", "tpu-static": "flashlab.benchmarks.tpu_static",
                "generate": "flashlab.benchmarks.generate", "ring": "flashlab.benchmarks.ring",
-               "decode-static": "flashlab.benchmarks.decode_static"}
+               "decode-static": "flashlab.benchmarks.decode_static",
+               "tpu-blocks": "flashlab.benchmarks.tpu_blocks"}
 
 QUICK_SEQ_LENS = (128, 256, 512)
 

@@ -4,10 +4,14 @@
 compiles the kernels at each ``block_q x block_k`` pair with the real TPU compiler, estimates
 each whole kernel from its static schedule, and stores the fastest pair per (kernel, chip,
 shape class) here, with the figures of every pair it tried, the command and the commit.
+``python -m flashlab bench tpu-blocks`` ranks every flashlab row of the stored runs instead
+(``flashlab/data/tpu_static*.json``, each run of ``--update`` adding to them) and compiles
+nothing.
 ``kernel`` is ``"forward"`` or ``"backward"`` (the dQ and dK/dV kernels share their blocks, so
 a backward pair is ranked by the sum of their two estimates). A shape class is (chip, dtype,
-causal, head_dim padded to 128 lanes, sequence length within a factor of two of the measured
-one: ``[T/2, 2T)``). :func:`flashlab.kernels.blocks.choose_block_sizes` and
+causal, head_dim as the kernels carry it (:func:`~flashlab.kernels.tiling.kernel_head_dim`:
+64 is its own class), sequence length within a factor of two of the measured one:
+``[T/2, 2T)``); a head_dim below 128 without a class of its own takes the 128-lane one. :func:`flashlab.kernels.blocks.choose_block_sizes` and
 :func:`~flashlab.kernels.blocks.choose_backward_block_sizes` take the table's pair when the
 request falls in a class and the pair fits the chip's VMEM and the tiling rule; otherwise the
 VMEM-fit heuristic (the fallback for unmeasured shapes).
@@ -21,9 +25,10 @@ import functools
 import json
 from pathlib import Path
 
-from flashlab.kernels.tiling import lane_pad
+from flashlab.kernels.tiling import kernel_head_dim, lane_pad
 
-__all__ = ["TABLE", "KERNELS", "table", "lookup", "class_of", "entries_from_rows", "write"]
+__all__ = ["TABLE", "KERNELS", "table", "lookup", "class_of", "entries_from_rows",
+           "entries_from_stored", "write"]
 
 TABLE = Path(__file__).parent.parent / "data" / "tpu_blocks.json"
 KERNELS = ("forward", "backward")
@@ -49,23 +54,26 @@ def class_of(chip: str, dtype, causal: bool, head_dim: int, seq_len: int, *,
     """The shape class a measurement at ``seq_len`` stands for."""
     import jax.numpy as jnp
     return dict(kernel=kernel, chip=chip, dtype=jnp.dtype(dtype).name, causal=bool(causal),
-                head_dim=lane_pad(head_dim), seq_min=seq_len // 2, seq_max=2 * seq_len - 1)
+                head_dim=kernel_head_dim(head_dim), seq_min=seq_len // 2,
+                seq_max=2 * seq_len - 1)
 
 
 def lookup(q_len: int, kv_len: int, head_dim: int, dtype, chip: str, *, is_causal: bool,
            kernel: str = "forward", path=None) -> dict | None:
     """The table entry of ``kernel`` (``"forward"`` or ``"backward"``) for a request, or
-    ``None`` when no measured class holds it."""
+    ``None`` when no measured class holds it: the class of the request's own head_dim
+    (:func:`kernel_head_dim`), else, below 128, the 128-lane class."""
     import jax.numpy as jnp
     if kernel not in KERNELS:
         raise ValueError(f"kernel: expected one of {KERNELS}, got {kernel!r}")
-    name, d = jnp.dtype(dtype).name, lane_pad(head_dim)
-    for e in table(path):
-        if (e["kernel"] == kernel and e["chip"] == chip and e["dtype"] == name
-                and e["causal"] == bool(is_causal)
-                and e["head_dim"] == d and e["seq_min"] <= q_len <= e["seq_max"]
-                and e["seq_min"] <= kv_len <= e["seq_max"]):
-            return e
+    name = jnp.dtype(dtype).name
+    for d in dict.fromkeys((kernel_head_dim(head_dim), lane_pad(head_dim))):
+        for e in table(path):
+            if (e["kernel"] == kernel and e["chip"] == chip and e["dtype"] == name
+                    and e["causal"] == bool(is_causal)
+                    and e["head_dim"] == d and e["seq_min"] <= q_len <= e["seq_max"]
+                    and e["seq_min"] <= kv_len <= e["seq_max"]):
+                return e
     return None
 
 
@@ -98,6 +106,34 @@ def entries_from_rows(rows, *, dtype: str, command: str, commit: str, versions: 
                         tried=[dict(block_q=q, block_k=k, est_cycles=c)
                                for (q, k), c in sorted(tried.items())],
                         command=command, commit=commit, versions=dict(versions)))
+    return out
+
+
+def entries_from_stored(paths, *, command: str, commit: str) -> list:
+    """:func:`entries_from_rows` over every row of the stored runs ``paths`` (the JSON that
+    ``bench tpu-static --update`` writes), one dtype at a time; each entry records the
+    commits its rows were measured at (``row_commits``) and the runs' library versions.
+    A pair measured by several rows (its default-blocks row and its sweep row) is ranked by
+    the lowest of their estimates."""
+    rows, versions = [], {}
+    for path in paths:
+        doc = json.loads(Path(path).read_text())
+        rows += doc["rows"]
+        versions.update(doc.get("versions") or {})
+    out = []
+    for dtype in sorted({r.get("dtype", "bfloat16") for r in rows}):
+        mine = [r for r in rows if r.get("dtype", "bfloat16") == dtype]
+        for e in entries_from_rows(mine, dtype=dtype, command=command, commit=commit,
+                                   versions=versions):
+            cls = {k: e[k] for k in ("kernel", "chip", "causal", "head_dim")}
+            e["row_commits"] = sorted({
+                str(r.get("commit")) for r in mine
+                if r.get("library") == "flashlab" and "error" not in r
+                and r["seq_len"] == e["measured_at"]["seq_len"]
+                and {"kernel": "forward" if r["kernel"] == "forward" else "backward",
+                     "chip": r["chip"], "causal": r["causal"],
+                     "head_dim": kernel_head_dim(r["head_dim"])} == cls})
+            out.append(e)
     return out
 
 
