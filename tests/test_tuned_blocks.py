@@ -107,6 +107,8 @@ def test_tpu_blocks_ranks_every_stored_row(tmp_path, capsys):
     assert {(t["block_q"], t["block_k"]): t["est_cycles"] for t in e["tried"]} == {
         (512, 512): 9, (1024, 512): 7, (512, 1024): 6}
     assert e["row_commits"] == ["aaa", "bbb", "old"] and e["versions"] == {"jax": "x"}
+    assert e["commit"] == "aaa, bbb, old" and e["command"].startswith(
+        "python -m flashlab bench tpu-blocks --runs")
     assert "512x1024 (3 pairs)" in capsys.readouterr().out
     import pytest
     with pytest.raises(SystemExit):

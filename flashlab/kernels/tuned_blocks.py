@@ -111,10 +111,11 @@ def entries_from_rows(rows, *, dtype: str, command: str, commit: str, versions: 
 
 def entries_from_stored(paths, *, command: str, commit: str) -> list:
     """:func:`entries_from_rows` over every row of the stored runs ``paths`` (the JSON that
-    ``bench tpu-static --update`` writes), one dtype at a time; each entry records the
-    commits its rows were measured at (``row_commits``) and the runs' library versions.
-    A pair measured by several rows (its default-blocks row and its sweep row) is ranked by
-    the lowest of their estimates."""
+    ``bench tpu-static --update`` writes), one dtype at a time. Each entry's ``commit`` is
+    the commits its rows were measured at (``row_commits``, joined), ``ranked_at`` the
+    ``commit`` of this ranking, ``command`` its command, ``versions`` the runs' library
+    versions. A pair measured by several rows (its default-blocks row and its sweep row) is
+    ranked by the lowest of their estimates."""
     rows, versions = [], {}
     for path in paths:
         doc = json.loads(Path(path).read_text())
@@ -133,6 +134,7 @@ def entries_from_stored(paths, *, command: str, commit: str) -> list:
                 and {"kernel": "forward" if r["kernel"] == "forward" else "backward",
                      "chip": r["chip"], "causal": r["causal"],
                      "head_dim": kernel_head_dim(r["head_dim"])} == cls})
+            e.update(commit=", ".join(e["row_commits"]), ranked_at=commit)
             out.append(e)
     return out
 
