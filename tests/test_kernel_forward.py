@@ -224,6 +224,20 @@ def test_row_chunks_match_the_oracle(monkeypatch, option):
     _check(q, k, v, kw, block_q=128, block_k=128, chip="v5e")
 
 
+@pytest.mark.parametrize("bias_shape, mask_shape", [((1, 4, 1, 300), (2, 1, 200, 1)),
+                                                     ((2, 1, 200, 1), (1, 4, 1, 300))])
+def test_row_chunks_keep_a_row_broadcast_block_whole(monkeypatch, bias_shape, mask_shape):
+    """A bias or mask broadcast over the query rows arrives as a one-row block: every chunk
+    reads it whole (forward.rows_of), while a full-row one is cut per chunk."""
+    _chunked(monkeypatch)
+    rng = np.random.default_rng(14)
+    B, T, S, N, K, H = 2, 200, 300, 4, 2, 64
+    q, k, v = random_qkv(rng, B, T, S, N, K, H)
+    kw = {"bias": rng.standard_normal(bias_shape).astype(np.float32),
+          "mask": rng.random(mask_shape) < 0.8, "is_causal": True}
+    _check(q, k, v, kw, block_q=128, block_k=128, chip="v5e")
+
+
 def test_row_chunks_no_races_in_tpu_interpret_mode(monkeypatch):
     """Chunks write disjoint rows of m, l and acc: the race detector agrees (bf16, a mask,
     segments and a bias cut per chunk)."""

@@ -16,6 +16,9 @@ visible pairs only (:mod:`flashlab.kernels.visit`): skipped steps then cost noth
 
 ``m`` and ``l`` live lane-replicated in ``[B_r, 128]`` VMEM scratch and are updated
 elementwise (``online_softmax.update(..., lanes=True)``); the lse output is that layout too.
+A wide tile is folded in ``cfg.row_chunks`` chunks of rows, each its own rows of ``m``, ``l``
+and ``acc`` (:data:`~flashlab.kernels.forward_config.FORWARD_ROW_CHUNKS`): independent chains
+the compiler's scheduler interleaves, one chunk's softmax under the next chunk's matmuls.
 
 Inside, the layout is ``[batch, heads, seq, head_dim]`` padded to whole blocks (seq) and to
 128 lanes (head_dim); padding keys are masked through the kv length, which is
