@@ -238,16 +238,52 @@ def test_row_chunks_keep_a_row_broadcast_block_whole(monkeypatch, bias_shape, ma
     _check(q, k, v, kw, block_q=128, block_k=128, chip="v5e")
 
 
-def test_row_chunks_no_races_in_tpu_interpret_mode(monkeypatch):
-    """Chunks write disjoint rows of m, l and acc: the race detector agrees (bf16, a mask,
-    segments and a bias cut per chunk)."""
+@pytest.mark.parametrize("kw, bq", [(dict(is_causal=True), 256),
+                                     (dict(is_causal=True, local_window_size=(40, 0)), 128),
+                                     (dict(local_window_size=(30, 30)), 128)])
+def test_partial_tiles_run_only_their_visible_chunks(monkeypatch, kw, bq):
+    """A visible tile where some row chunk sees none of its keys (causal with B_r > B_c, a
+    window) takes the partial path: its other chunks only, each behind its own pl.when. The
+    output is the oracle's, and forward_config counts those tiles for the static estimate."""
+    from flashlab.kernels.forward_config import make_config
+    _chunked(monkeypatch)
+    rng = np.random.default_rng(15)
+    B, T, N, H = 1, 512, 2, 64
+    q, k, v = random_qkv(rng, B, T, T, N, N, H)
+    *_, spec = validate(*(jnp.asarray(x) for x in (q, k, v)), **kw)
+    cfg = make_config(spec, block_q=bq, block_k=128, chip="v5e")
+    assert cfg.partial_tiles and cfg.row_chunks == 4
+    partial, chunks = cfg.chunk_visits()
+    assert partial > 0 and 0 < chunks < 4 * partial
+    _check(q, k, v, kw, block_q=bq, block_k=128, chip="v5e")
+
+
+def test_chunk_visits_count_the_partial_tiles():
+    """Causal T=8192 at 2048 x 1024 in 2 chunks: a q block's second diagonal tile has a first
+    chunk that sees nothing (4 of 20 tiles, one chunk each); square or wide blocks have none."""
+    from flashlab.kernels.forward_config import make_config
+    q = jnp.zeros((1, 8192, 1, 128), jnp.bfloat16)
+    *_, spec = validate(q, q, q, is_causal=True)
+    cfg = make_config(spec, block_q=2048, block_k=1024, chip="v6e")
+    assert (cfg.row_chunks, len(cfg.visits()), cfg.chunk_visits()) == (2, 20, (4, 4))
+    assert make_config(spec, block_q=2048, block_k=1024, chip="v5e").chunk_visits() == (4, 8)
+    for bq, bk in ((1024, 1024), (1024, 2048)):
+        cfg = make_config(spec, block_q=bq, block_k=bk, chip="v5e")
+        assert not cfg.partial_tiles and cfg.chunk_visits() == (0, 0)
+
+
+@pytest.mark.parametrize("T, S, bq, option", [(64, 256, 64, "everything"),
+                                               (256, 256, 256, "causal")])
+def test_row_chunks_no_races_in_tpu_interpret_mode(monkeypatch, T, S, bq, option):
+    """Chunks write disjoint rows of m, l and acc: the race detector agrees (bf16; a mask,
+    segments and a bias cut per chunk; causal at B_r > B_c, where the partial path runs)."""
     _chunked(monkeypatch, chunks=2)
     rng = np.random.default_rng(13)
-    B, T, S, N, K, H = 1, 64, 256, 2, 1, 128
+    B, N, K, H = 1, 2, 1, 128
     q, k, v = random_qkv(rng, B, T, S, N, K, H)
-    kw = mask_kwargs("everything", rng, B, T, S, N)
+    kw = mask_kwargs(option, rng, B, T, S, N)
     _check(q, k, v, kw, dtype=jnp.bfloat16, interpret=device.tpu_interpret_params(),
-           block_q=64, block_k=128, chip="v5e")
+           block_q=bq, block_k=128, chip="v5e")
     assert compat.races_found() is False
 
 

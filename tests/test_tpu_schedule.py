@@ -154,6 +154,25 @@ def test_live_compile_bench_rows():
                                                         causal=True, block=512)).lower()
 
 
+@needs_libtpu
+def test_live_compile_reads_the_partial_path():
+    """The forward in row chunks at B_r > B_c (v6e, 2048 x 1024, causal, T=4096: 2 chunks of
+    1024 rows) has two tile paths. The reader takes the straight-line one as the tile and the
+    other as the partial path: a little control around chunks of their own; the estimate runs
+    the 2 partial tiles per head (a q block's second diagonal tile) as one chunk each."""
+    from flashlab.benchmarks import tpu_static as bts
+    rows, _ = bts.measure(chips=["v6e"], libraries=["flashlab"], modes=[],
+                          sweep=[(2048, 1024)], kernels=["forward"], batch=1, seq_len=4096,
+                          heads=2, progress=False)
+    (r,) = rows
+    assert (r["partial_tiles"], r["partial_chunks"], r["tiles"]) == (2 * 2, 2 * 2, 2 * 6)
+    assert 0 <= r["partial_overhead_cycles"] < 50
+    assert r["tile_cycles"] / 2 < r["chunk_cycles"] < r["tile_cycles"]
+    full = r["est_cycles"] + r["partial_tiles"] * (
+        r["tile_cycles"] - r["partial_overhead_cycles"] - r["chunk_cycles"])
+    assert r["est_cycles"] < full        # cheaper than running every chunk of those tiles
+
+
 def test_init_runs_once_per_row_of_a_visit_grid():
     """B=2 H=4 T=4096 causal, 512 x 1024 blocks: 8 q-block rows, 4 kv-block rows per head."""
     from flashlab.benchmarks.tpu_static import init_runs

@@ -48,6 +48,7 @@ def _flashlab(chip, backward, causal, block, shape, dtype):
         q, k, v, spec = masks.validate(q, k, v, None, None, is_causal=causal)
         f = forward_config.make_config(spec, block_q=bq, block_k=bk, chip=chip)
         got["fwd"] = (f.block_q, f.block_k)
+        got["chunk_visits"] = f.chunk_visits()
         c = backward_grid.make_backward_config(spec, block_q=bq, block_k=bk, chip=chip)
         got["bwd"] = [c.block_q, c.block_k]
         return q
@@ -57,7 +58,8 @@ def _flashlab(chip, backward, causal, block, shape, dtype):
     def f(q, k, v):      # the blocks a user gets: passing fb would size the backward by them
         return flash.flash_attention(q, k, v, is_causal=causal, block_q=bq, block_k=bk,
                                      interpret=False, chip=chip)
-    info = {"forward": list(fb), "dq": got["bwd"], "dkdv": got["bwd"]}
+    info = {"forward": list(fb), "dq": got["bwd"], "dkdv": got["bwd"],
+            "chunk_visits": list(got["chunk_visits"])}
     return f, (x, x, x), info
 
 
@@ -161,7 +163,9 @@ def init_runs(library: str, role: str, grid, *, batch, heads, seq_len, block_q, 
 
 
 def _row(k: tpu_dump.KernelDump, blocks, *, chip, library, mode, batch, seq_len, heads,
-         head_dim, causal, timeline) -> dict:
+         head_dim, causal, timeline, chunk_visits=(0, 0)) -> dict:
+    """One bench row from a kernel's schedule. ``chunk_visits``: the forward's partial tiles
+    and the row chunks they run, per (batch, head) (:meth:`ForwardConfig.chunk_visits`)."""
     from flashlab.benchmarks.backends import attention_flops
     from flashlab.instruments import tpu_schedule
     s = k.schedule
@@ -170,7 +174,9 @@ def _row(k: tpu_dump.KernelDump, blocks, *, chip, library, mode, batch, seq_len,
     rows = init_runs(library, k.role, k.grid, batch=batch, heads=heads, seq_len=seq_len,
                      block_q=bq, block_k=bk)
     tiles = batch * heads * _visible_tiles(seq_len, bq, bk, causal)
-    cycles = tpu_schedule.kernel_cycles(s, steps=steps, tiles=tiles, rows=rows)
+    partial, partial_chunks = (batch * heads * n for n in chunk_visits)
+    cycles = tpu_schedule.kernel_cycles(s, steps=steps, tiles=tiles, rows=rows,
+                                        partial=partial, partial_chunks=partial_chunks)
     hz, peak, _ = chip_clock(chip)
     flops = attention_flops(batch, heads, seq_len, seq_len, head_dim, causal) * MATMULS[k.role] / 2
     r = dict(chip=chip, library=library, kernel=k.role, blocks=mode, block_q=bq, block_k=bk,
@@ -180,6 +186,8 @@ def _row(k: tpu_dump.KernelDump, blocks, *, chip, library, mode, batch, seq_len,
              finalize_cycles=s.finalize_cycles, outside_loop_cycles=s.outside_loop_cycles,
              mxu_cycles=s.mxu_cycles, occupancy=s.occupancy, num_mxu=s.num_mxu, steps=steps,
              tiles=tiles, rows=rows, est_cycles=cycles, flops=flops,
+             partial_tiles=partial, partial_chunks=partial_chunks,
+             partial_overhead_cycles=s.partial_overhead_cycles, chunk_cycles=s.chunk_cycles,
              est_ms=cycles / hz * 1e3 if hz else None,
              floor_ms=flops / peak * 1e3 if peak else None,
              op_mix=s.op_mix, unit_busy=s.unit_busy, unit_capacity=s.unit_capacity)
@@ -259,9 +267,11 @@ def measure(*, chips, libraries=LIBRARIES, modes=("default", "equal"), block=512
             versions = dict(jax=d.jax_version, libtpu=d.libtpu_version)
             for role, k in d.kernels.items():
                 if role in kernels and (role == "forward") != bwd:
+                    per_head = d.info["blocks"].get("chunk_visits", (0, 0)) if (
+                        role == "forward") else (0, 0)
                     rows.append(_row(k, d.info["blocks"][role], chip=c, library=lib, mode=m,
                                      causal=causal, timeline=(c == timeline_chip and m == "equal"),
-                                     **shape))
+                                     chunk_visits=per_head, **shape))
     if bar is not None:
         bar.close()
     for r in rows:                                   # ratio to splash, same chip/kernel/mode

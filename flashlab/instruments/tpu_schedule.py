@@ -110,6 +110,10 @@ class TileSchedule:
     unit_capacity: dict        # column -> slots per bundle
     op_mix: dict               # our count of tile instructions by unit (UNITS)
     matmuls: dict              # vmatmul count in the tile by dtype
+    # The forward's partial path (row chunks, a tile where some chunk sees nothing): its
+    # cycles outside its chunks, and the mean cycles of one chunk there; 0 without one.
+    partial_overhead_cycles: int = 0
+    chunk_cycles: float = 0.0
     tile_util: list = dataclasses.field(default_factory=list, repr=False)  # table rows of the tile
 
     @property
@@ -259,6 +263,29 @@ def _branches(bundles):
     return fwd, back
 
 
+def _partial_path(holding: Region, inner: list, mm: list):
+    """The forward's two tile paths (row chunks, :attr:`ForwardConfig.partial_tiles`), if
+    ``holding`` (the smallest region with every vmatmul) is their parent: ``(full, partial,
+    chunks)`` where ``full`` is the straight-line tile, ``partial`` the path whose chunks each
+    sit in their own region (``chunks``); ``None`` for a kernel with one tile path."""
+    def children(r):
+        inside = [x for x in inner if r.contains(x)]
+        return [x for x in inside if not any(y.contains(x) for y in inside)]
+
+    def has_mm(r):
+        return any(r.branch < i < r.target for i in mm)
+    paths = [r for r in children(holding) if has_mm(r)]
+    if len(paths) != 2 or any(not any(r.branch < i < r.target for r in paths) for i in mm
+                              if holding.branch < i < holding.target):
+        return None
+    split = [(r, [c for c in children(r) if has_mm(c)]) for r in paths]
+    full = [r for r, cs in split if not cs]
+    part = [(r, cs) for r, cs in split if cs]
+    if len(full) != 1 or len(part) != 1:
+        return None
+    return full[0], part[0][0], part[0][1]
+
+
 def analyze(packed_path, util_path=None, kernel: str | None = None) -> TileSchedule:
     """Read one kernel's ``packed-bundles-post-ra`` dump (and its utilization table).
 
@@ -298,6 +325,9 @@ def analyze(packed_path, util_path=None, kernel: str | None = None) -> TileSched
         raise ScheduleFormatError(f"{packed_path}: no predicated region holds every vmatmul "
                                   f"of the loop; cannot tell the tile apart")
     tile = min(holding, key=lambda r: r.cycles)
+    partial = _partial_path(tile, inner, mm)
+    if partial is not None:           # two tile paths: the full one is the tile
+        tile, partial, chunks = partial
     parents = [r for r in inner if r.contains(tile)]
     parent = min(parents, key=lambda r: r.cycles) if parents else None
 
@@ -320,6 +350,8 @@ def analyze(packed_path, util_path=None, kernel: str | None = None) -> TileSched
     init = sum(r.cycles for r in sib if r.target <= tile.branch)
     fin = sum(r.cycles for r in sib if r.branch >= tile.target)
     loop_cycles = end - start + 1
+    partial_cycles = partial.cycles if partial is not None else 0
+    chunk_cycles = sum(r.cycles for r in chunks) / len(chunks) if partial is not None else 0.0
     cols = list(caps)
     in_tile = range(tile.branch + 1, tile.target)
     ops = [o for i in in_tile for o in bundles[i].opcodes]
@@ -328,7 +360,10 @@ def analyze(packed_path, util_path=None, kernel: str | None = None) -> TileSched
     return TileSchedule(
         kernel=kernel or packed_path.name, path=str(packed_path), total_cycles=len(bundles),
         loop_cycles=loop_cycles, tile_cycles=tile.cycles, init_cycles=init,
-        finalize_cycles=fin, step_cycles=loop_cycles - tile.cycles - init - fin,
+        finalize_cycles=fin, step_cycles=loop_cycles - tile.cycles - partial_cycles - init - fin,
+        partial_overhead_cycles=(partial_cycles - sum(r.cycles for r in chunks)
+                                 if partial is not None else 0),
+        chunk_cycles=chunk_cycles,
         outside_loop_cycles=len(bundles) - loop_cycles, num_mxu=caps["MXU"],
         mxu_busy_cycles=sum(busy[i] for i in in_tile),
         unit_busy={c: sum(rows[i][k] for i in in_tile) for k, c in enumerate(cols)},
@@ -336,9 +371,14 @@ def analyze(packed_path, util_path=None, kernel: str | None = None) -> TileSched
         matmuls=dict(dtypes), tile_util=[rows[i] for i in in_tile])
 
 
-def kernel_cycles(s: TileSchedule, *, steps: int, tiles: int, rows: int) -> int:
+def kernel_cycles(s: TileSchedule, *, steps: int, tiles: int, rows: int, partial: int = 0,
+                  partial_chunks: int = 0) -> int:
     """Whole-kernel static cycles: ``steps x per-step + tiles x tile + rows x (init +
     finalize) + prologue/epilogue``. ``steps``: grid steps; ``tiles``: steps whose tile runs
-    (visible blocks); ``rows``: runs of init/finalize (the grid without its innermost axis)."""
-    return (s.outside_loop_cycles + steps * s.step_cycles + tiles * s.tile_cycles
-            + rows * (s.init_cycles + s.finalize_cycles))
+    (visible blocks); ``rows``: runs of init/finalize (the grid without its innermost axis).
+    ``partial`` of the tiles take the forward's partial path instead, running
+    ``partial_chunks`` row chunks in all (:meth:`ForwardConfig.chunk_visits`)."""
+    return round(s.outside_loop_cycles + steps * s.step_cycles
+                 + (tiles - partial) * s.tile_cycles
+                 + partial * s.partial_overhead_cycles + partial_chunks * s.chunk_cycles
+                 + rows * (s.init_cycles + s.finalize_cycles))

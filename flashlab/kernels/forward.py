@@ -196,25 +196,44 @@ def _forward_kernel(*refs, cfg: ForwardConfig, names: RefNames):
                                       is_causal=cfg.is_causal, window=cfg.window),
             jnp.logical_and(k_start < kv_len, q_start < q_len))
 
+    # The tile as cfg.row_chunks independent chains of rows (FORWARD_ROW_CHUNKS): the
+    # scheduler overlaps one chunk's softmax with the next chunk's matmuls.
+    rows = bq // cfg.row_chunks
+    ccfg = dataclasses.replace(cfg, block_q=rows)                # the tile shape of a chunk
+
+    def fold_chunk(c):                                          # rows [c*rows, (c+1)*rows)
+        r = pl.ds(c * rows, rows)
+        s, _, visible = score_tile(rows_of(ins, r, bq), ccfg, q_start + c * rows, k_start,
+                                   q_len, kv_len)               # [rows, B_c]
+        # m and l stay lane-replicated [rows, 128] and are updated elementwise: the tile's
+        # row max and row sum are the only cross-lane reductions of a step.
+        state = online_softmax.State(m_ref[r, :], l_ref[r, :], acc_ref[r, :])
+        m, l, acc = online_softmax.update(state, s, ins["v"][...], visible=visible,
+                                          lanes=True, base2=cfg.log2_scores)
+        m_ref[r, :] = m
+        l_ref[r, :] = l
+        acc_ref[r, :] = acc
+
+    if cfg.partial_tiles:
+        # Where a chunk can see nothing of a visible tile (causal with B_r > B_c, a window),
+        # such a tile takes a second path that runs only its chunks that see something, each
+        # behind its own pl.when (no overlap between them, but no wasted chunk either).
+        seen = [masks.block_maybe_visible(q_start + c * rows, q_start + (c + 1) * rows,
+                                          k_start, k_start + bk, is_causal=cfg.is_causal,
+                                          window=cfg.window) for c in range(cfg.row_chunks)]
+        every = functools.reduce(jnp.logical_and, seen)
+
+        @pl.when(jnp.logical_and(run, jnp.logical_not(every)))
+        def _partial():
+            for c in range(cfg.row_chunks):
+                pl.when(seen[c])(functools.partial(fold_chunk, c))
+
+        run = jnp.logical_and(run, every)
+
     @pl.when(run)
     def _compute():
-        # The tile as cfg.row_chunks independent chains of rows (FORWARD_ROW_CHUNKS): the
-        # scheduler overlaps one chunk's softmax with the next chunk's matmuls.
-        rows = bq // cfg.row_chunks
-        ccfg = dataclasses.replace(cfg, block_q=rows)            # the tile shape of a chunk
         for c in range(cfg.row_chunks):                         # unrolled: static slices
-            r = pl.ds(c * rows, rows)
-            cins = rows_of(ins, r, bq)
-            s, _, visible = score_tile(cins, ccfg, q_start + c * rows, k_start, q_len,
-                                       kv_len)                  # [rows, B_c]
-            # m and l stay lane-replicated [rows, 128] and are updated elementwise: the
-            # tile's row max and row sum are the only cross-lane reductions of a step.
-            state = online_softmax.State(m_ref[r, :], l_ref[r, :], acc_ref[r, :])
-            m, l, acc = online_softmax.update(state, s, ins["v"][...], visible=visible,
-                                              lanes=True, base2=cfg.log2_scores)
-            m_ref[r, :] = m
-            l_ref[r, :] = l
-            acc_ref[r, :] = acc
+            fold_chunk(c)
 
     @pl.when(last)
     def _finalize():                                              # O_i = acc * (1 / l)

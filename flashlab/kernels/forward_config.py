@@ -14,6 +14,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from flashlab.contract import masks
 from flashlab.contract.masks import AttentionSpec
 from flashlab.kernels import blocks as blk
 from flashlab.kernels import visit
@@ -74,6 +75,36 @@ class ForwardConfig:
     def row_chunks(self) -> int:
         """How many row chunks the forward folds one tile in (:data:`FORWARD_ROW_CHUNKS`)."""
         return 1 if self.chunk_rows is None else self.block_q // self.chunk_rows
+
+    @property
+    def partial_tiles(self) -> bool:
+        """Whether a visible tile can hold a row chunk that sees none of its keys (causal with
+        ``block_q > block_k``, or a window, in row chunks): the kernel then runs such a tile
+        by a second path, its visible chunks only (:meth:`chunk_visits` counts them)."""
+        return self.row_chunks > 1 and (self.window is not None or (
+            self.is_causal and self.block_q > self.block_k))
+
+    def chunk_visits(self) -> tuple[int, int]:
+        """``(partial, chunks)`` per (batch, head): the visible tiles that take the partial
+        path (:attr:`partial_tiles`) and the row chunks they run, from positions alone (the
+        static schedule's estimate counts them)."""
+        if not self.partial_tiles:
+            return 0, 0
+        rows, partial, chunks = self.block_q // self.row_chunks, 0, 0
+        pairs = ([visit.unpack(int(v))[:2] for v in self.visits()] if self.visit_grid else
+                 [(i, j) for i in range(self.num_q_blocks) for j in range(self.num_kv_blocks)])
+        for i, j in pairs:
+            if not masks.block_maybe_visible(i * self.block_q, (i + 1) * self.block_q,
+                                             j * self.block_k, (j + 1) * self.block_k,
+                                             is_causal=self.is_causal, window=self.window):
+                continue
+            seen = sum(bool(masks.block_maybe_visible(
+                i * self.block_q + c * rows, i * self.block_q + (c + 1) * rows,
+                j * self.block_k, (j + 1) * self.block_k, is_causal=self.is_causal,
+                window=self.window)) for c in range(self.row_chunks))
+            if seen < self.row_chunks:
+                partial, chunks = partial + 1, chunks + seen
+        return partial, chunks
 
     @property
     def group_size(self) -> int:
