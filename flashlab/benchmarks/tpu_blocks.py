@@ -14,10 +14,10 @@ import argparse
 import sys
 from pathlib import Path
 
+from flashlab.dispatch import static_table
 from flashlab.kernels import tuned_blocks
 
-DATA = Path(__file__).parent.parent / "data"
-STORED = (DATA / "tpu_static.json", DATA / "tpu_static_shapes.json")
+STORED = (static_table.STORED, static_table.STORED_SHAPES)     # the main shape, the others
 
 __all__ = ["main", "parser", "STORED"]
 
