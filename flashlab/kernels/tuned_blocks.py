@@ -11,7 +11,8 @@ nothing.
 a backward pair is ranked by the sum of their two estimates). A shape class is (chip, dtype,
 causal, head_dim as the kernels carry it (:func:`~flashlab.kernels.tiling.kernel_head_dim`:
 64 is its own class), sequence length within a factor of two of the measured one:
-``[T/2, 2T)``); a head_dim below 128 without a class of its own takes the 128-lane one. :func:`flashlab.kernels.blocks.choose_block_sizes` and
+``[T/2, 2T)``); a head_dim below 128 without a class of its own takes the 128-lane one.
+:func:`flashlab.kernels.blocks.choose_block_sizes` and
 :func:`~flashlab.kernels.blocks.choose_backward_block_sizes` take the table's pair when the
 request falls in a class and the pair fits the chip's VMEM and the tiling rule; otherwise the
 VMEM-fit heuristic (the fallback for unmeasured shapes).
