@@ -378,7 +378,9 @@ def kernel_cycles(s: TileSchedule, *, steps: int, tiles: int, rows: int, partial
     (visible blocks); ``rows``: runs of init/finalize (the grid without its innermost axis).
     ``partial`` of the tiles take the forward's partial path instead, running
     ``partial_chunks`` row chunks in all (:meth:`ForwardConfig.chunk_visits`)."""
-    return round(s.outside_loop_cycles + steps * s.step_cycles
-                 + (tiles - partial) * s.tile_cycles
-                 + partial * s.partial_overhead_cycles + partial_chunks * s.chunk_cycles
-                 + rows * (s.init_cycles + s.finalize_cycles))
+    cycles = (s.outside_loop_cycles + steps * s.step_cycles + tiles * s.tile_cycles
+              + rows * (s.init_cycles + s.finalize_cycles))
+    if partial:
+        cycles += (partial * (s.partial_overhead_cycles - s.tile_cycles)
+                   + round(partial_chunks * s.chunk_cycles))
+    return cycles
