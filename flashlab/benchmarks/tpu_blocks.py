@@ -47,9 +47,10 @@ def main(argv=None) -> int:
         sys.argv[1:] if argv is None else argv)
     entries = tuned_blocks.entries_from_stored(a.runs, command=command.strip(),
                                                commit=_commit())
-    old = {_key(e): e for e in tuned_blocks.table(a.table)} if Path(a.table).exists() else {}
-    for e in sorted(entries, key=_key):
-        was = old.get(_key(e))
+    key = tuned_blocks.class_key
+    old = {key(e): e for e in tuned_blocks.table(a.table)} if Path(a.table).exists() else {}
+    for e in sorted(entries, key=key):
+        was = old.get(key(e))
         change = "" if was is None else (
             "  (unchanged)" if (was["block_q"], was["block_k"]) == (e["block_q"], e["block_k"])
             else f"  (was {was['block_q']}x{was['block_k']})")
@@ -60,11 +61,6 @@ def main(argv=None) -> int:
         tuned_blocks.write(a.table, entries)
         print(f"wrote {len(entries)} entries to {a.table}")
     return 0
-
-
-def _key(e) -> tuple:
-    return (e.get("kernel", "forward"), e["chip"], e["dtype"], e["causal"], e["head_dim"],
-            e["seq_min"])
 
 
 if __name__ == "__main__":

@@ -218,9 +218,7 @@ def _forward_kernel(*refs, cfg: ForwardConfig, names: RefNames):
         # Where a chunk can see nothing of a visible tile (causal with B_r > B_c, a window),
         # such a tile takes a second path that runs only its chunks that see something, each
         # behind its own pl.when (no overlap between them, but no wasted chunk either).
-        seen = [masks.block_maybe_visible(q_start + c * rows, q_start + (c + 1) * rows,
-                                          k_start, k_start + bk, is_causal=cfg.is_causal,
-                                          window=cfg.window) for c in range(cfg.row_chunks)]
+        seen = cfg.chunks_seen(q_start, k_start)
         every = functools.reduce(jnp.logical_and, seen)
 
         @pl.when(jnp.logical_and(run, jnp.logical_not(every)))

@@ -84,25 +84,28 @@ class ForwardConfig:
         return self.row_chunks > 1 and (self.window is not None or (
             self.is_causal and self.block_q > self.block_k))
 
+    def chunks_seen(self, q_start, k_start) -> list:
+        """Per row chunk of the tile at ``(q_start, k_start)``: whether it may see any of the
+        tile's keys (:func:`masks.block_maybe_visible`: Python bools for ints, traced for
+        traced positions). The kernel's partial path and :meth:`chunk_visits` both ask this."""
+        rows = self.block_q // self.row_chunks
+        return [masks.block_maybe_visible(q_start + c * rows, q_start + (c + 1) * rows,
+                                          k_start, k_start + self.block_k,
+                                          is_causal=self.is_causal, window=self.window)
+                for c in range(self.row_chunks)]
+
     def chunk_visits(self) -> tuple[int, int]:
         """``(partial, chunks)`` per (batch, head): the visible tiles that take the partial
         path (:attr:`partial_tiles`) and the row chunks they run, from positions alone (the
         static schedule's estimate counts them)."""
         if not self.partial_tiles:
             return 0, 0
-        rows, partial, chunks = self.block_q // self.row_chunks, 0, 0
         pairs = ([visit.unpack(int(v))[:2] for v in self.visits()] if self.visit_grid else
                  [(i, j) for i in range(self.num_q_blocks) for j in range(self.num_kv_blocks)])
+        partial = chunks = 0
         for i, j in pairs:
-            if not masks.block_maybe_visible(i * self.block_q, (i + 1) * self.block_q,
-                                             j * self.block_k, (j + 1) * self.block_k,
-                                             is_causal=self.is_causal, window=self.window):
-                continue
-            seen = sum(bool(masks.block_maybe_visible(
-                i * self.block_q + c * rows, i * self.block_q + (c + 1) * rows,
-                j * self.block_k, (j + 1) * self.block_k, is_causal=self.is_causal,
-                window=self.window)) for c in range(self.row_chunks))
-            if seen < self.row_chunks:
+            seen = sum(map(bool, self.chunks_seen(i * self.block_q, j * self.block_k)))
+            if 0 < seen < self.row_chunks:          # seen == 0: an invisible tile, skipped
                 partial, chunks = partial + 1, chunks + seen
         return partial, chunks
 

@@ -29,7 +29,7 @@ from pathlib import Path
 from flashlab.kernels.tiling import kernel_head_dim, lane_pad
 
 __all__ = ["TABLE", "KERNELS", "table", "lookup", "class_of", "entries_from_rows",
-           "entries_from_stored", "write"]
+           "entries_from_stored", "class_key", "write"]
 
 TABLE = Path(__file__).parent.parent / "data" / "tpu_blocks.json"
 KERNELS = ("forward", "backward")
@@ -81,7 +81,9 @@ def lookup(q_len: int, kv_len: int, head_dim: int, dtype, chip: str, *, is_causa
 def entries_from_rows(rows, *, dtype: str, command: str, commit: str, versions: dict) -> list:
     """One entry per (kernel, chip, shape) from a bench run's flashlab rows: the pair with the
     lowest whole-kernel estimate, and every pair tried. A backward pair's estimate is its dQ
-    plus its dK/dV estimate; a pair with only one of the two measured is not ranked."""
+    plus its dK/dV estimate; a pair with only one of the two measured is not ranked.
+    ``row_commits``: the commits the group's rows record (stored rows do, a fresh run's rows
+    do not)."""
     groups = {}
     for r in rows:
         if r.get("library") != "flashlab" or "error" in r:
@@ -106,7 +108,8 @@ def entries_from_rows(rows, *, dtype: str, command: str, commit: str, versions: 
                                                          heads=rs[0].get("heads")),
                         tried=[dict(block_q=q, block_k=k, est_cycles=c)
                                for (q, k), c in sorted(tried.items())],
-                        command=command, commit=commit, versions=dict(versions)))
+                        command=command, commit=commit, versions=dict(versions),
+                        row_commits=sorted({str(r["commit"]) for r in rs if "commit" in r})))
     return out
 
 
@@ -127,27 +130,22 @@ def entries_from_stored(paths, *, command: str, commit: str) -> list:
         mine = [r for r in rows if r.get("dtype", "bfloat16") == dtype]
         for e in entries_from_rows(mine, dtype=dtype, command=command, commit=commit,
                                    versions=versions):
-            cls = {k: e[k] for k in ("kernel", "chip", "causal", "head_dim")}
-            e["row_commits"] = sorted({
-                str(r.get("commit")) for r in mine
-                if r.get("library") == "flashlab" and "error" not in r
-                and r["seq_len"] == e["measured_at"]["seq_len"]
-                and {"kernel": "forward" if r["kernel"] == "forward" else "backward",
-                     "chip": r["chip"], "causal": r["causal"],
-                     "head_dim": kernel_head_dim(r["head_dim"])} == cls})
-            e.update(commit=", ".join(e["row_commits"]), ranked_at=commit)
-            out.append(e)
+            out.append(dict(e, commit=", ".join(e["row_commits"]), ranked_at=commit))
     return out
+
+
+def class_key(e) -> tuple:
+    """What names an entry's shape class: (kernel, chip, dtype, causal, head_dim, seq_min)."""
+    return (e.get("kernel", "forward"), e["chip"], e["dtype"], e["causal"], e["head_dim"],
+            e["seq_min"])
 
 
 def write(path, entries) -> list:
     """Replace the entries of ``path`` with the same shape class by ``entries``."""
     p = Path(path)
     old = json.loads(p.read_text())["entries"] if p.exists() else []
-    key = lambda e: (e.get("kernel", "forward"), e["chip"], e["dtype"], e["causal"],  # noqa: E731
-                     e["head_dim"], e["seq_min"])
-    new = {key(e): e for e in entries}
-    out = [e for e in old if key(e) not in new] + list(new.values())
+    new = {class_key(e): e for e in entries}
+    out = [e for e in old if class_key(e) not in new] + list(new.values())
     p.write_text(json.dumps(dict(note=__doc__.split("\n\n")[0], entries=out), indent=1) + "\n")
     _load.cache_clear()
     return out
