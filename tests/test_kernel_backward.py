@@ -143,7 +143,7 @@ def test_value_head_dim_differs_and_soft_cap_with_bias():
 
 
 def test_fused_backward_option_matches_the_oracle():
-    """One kernel for dQ, dK, dV (partial dQ per kv block, summed after): the oracle's
+    """One kernel for dQ, dK, dV (dQ resident in VMEM per (batch, kv head)): the oracle's
     gradients, with GQA, causal, 2 x 2 blocks and a full-shape bias (its dS via the dBias
     kernel, since there is no dQ kernel)."""
     rng = np.random.default_rng(12)
@@ -163,6 +163,68 @@ def test_fused_backward_option_matches_the_oracle():
         assert np.abs(np.asarray(g) - r).max() / scale <= F32_RTOL, label
     with pytest.raises(TypeError, match="fused"):
         flash_attention_backward(q_, k_, v_, spec, out, lse, jnp.asarray(dout), fused="yes")
+
+
+@pytest.mark.parametrize("visit", [True, False], ids=["visit-grid", "dense-grid"])
+def test_fused_backward_resident_dq_on_both_grids(visit):
+    """The fused kernel adds each tile's ``dS'ᵀᵀ K_j`` into rows ``i`` of head ``g`` of one
+    resident float32 block ``[G, T, d]`` per (batch, kv head): GQA with G = 2, two batch rows
+    and two kv heads (the block moves on three times), T = 200 padded to 256, causal, on the
+    visit grid and the dense grid; the oracle's gradients to float32 tolerance."""
+    from flashlab.kernels import backward
+    from flashlab.kernels.backward_grid import dkdv_grid_spec
+    rng = np.random.default_rng(21)
+    B, T, N, K, H = 2, 200, 4, 2, 64
+    q, k, v = random_qkv(rng, B, T, T, N, K, H)
+    dout = rng.standard_normal((B, T, N, H)).astype(np.float32)
+    q_, k_, v_, spec = validate(*(jnp.asarray(x) for x in (q, k, v)), None, None,
+                                is_causal=True)
+    out, lse = flash_attention_forward(q_, k_, v_, spec, block_q=128, block_k=128,
+                                       interpret=True)
+    cfg = make_backward_config(spec, block_q=128, block_k=128, fused=True, visit_grid=visit)
+    gs = dkdv_grid_spec(cfg, fused=True)
+    assert len(gs.grid) == (4 if visit else 5) and "dq" in gs.out_names
+    assert gs.spec("dq").block_shape == (None, 2, 256, 64)         # [G, T_pad, d]
+    assert gs.dimension_semantics[:2] == ("parallel", "parallel")
+    assert set(gs.dimension_semantics[2:]) == {"arbitrary"}        # dQ carries across j
+    got = backward._backward(q_, k_, v_, spec, out, lse, jnp.asarray(dout), cfg=cfg,
+                             interpret=True, fused=True)[:3]
+    ref = oracle_grads(q, k, v, dout, {"is_causal": True})
+    scale = max(np.abs(r).max() for r in ref)
+    for label, g, r in zip(("dq", "dk", "dv"), got, ref):
+        assert np.abs(np.asarray(g) - r).max() / scale <= F32_RTOL, label
+
+
+def _abstract_spec(T, *, heads=1, kv_heads=1, d=128):
+    x = jax.ShapeDtypeStruct((1, T, heads, d), jnp.bfloat16)
+    y = jax.ShapeDtypeStruct((1, T, kv_heads, d), jnp.bfloat16)
+    return jax.eval_shape(lambda q, k, v: validate(q, k, v, None, None, is_causal=True)[3],
+                          x, y, y)
+
+
+def test_auto_backward_is_fused_where_its_resident_dq_fits():
+    """``backward="auto"`` runs the fused kernel on the chips that measured it faster, at the
+    split's own blocks, when its dQ ``[G, T, d]`` float32 (one buffer, ``pl.Buffered(1)``)
+    fits the VMEM limit; else the split. ``"fused"`` where it cannot fit is refused by name."""
+    from flashlab.kernels.backward_grid import resolve_backward
+    cfg, fused = resolve_backward(_abstract_spec(8192), "auto", chip="v5e")
+    split, _ = resolve_backward(_abstract_spec(8192), "split", chip="v5e")
+    assert fused and (cfg.block_q, cfg.block_k) == (split.block_q, split.block_k)
+    resident = 8192 * 128 * 4                      # dQ [1, T, d] float32, one buffer
+    assert blk.backward_vmem_bytes(1024, 1024, 128, jnp.bfloat16, fused=True, q_len=8192) >= (
+        blk.backward_vmem_bytes(1024, 1024, 128, jnp.bfloat16) + resident)
+    assert not resolve_backward(_abstract_spec(8192), "auto", chip="v4",       # 16 MiB
+                                block_q=1024, block_k=1024)[1]
+    assert resolve_backward(_abstract_spec(8192), "auto", chip="v4", block_q=512,
+                            block_k=1024)[1]
+    assert not resolve_backward(_abstract_spec(262144), "auto", chip="v5e")[1]  # 128 MiB
+    assert not resolve_backward(_abstract_spec(32768, heads=8), "auto", chip="v6e")[1]
+    assert not resolve_backward(_abstract_spec(8192), "split", chip="v5e")[1]
+    with pytest.raises(ValueError, match=r"backward='fused': q_len=262144 .* MiB of VMEM on "
+                                         r"v5e .* expected backward='split'"):
+        resolve_backward(_abstract_spec(262144), "fused", chip="v5e")
+    with pytest.raises(ValueError, match="backward: expected one of"):
+        resolve_backward(_abstract_spec(8192), "fast", chip="v5e")
 
 
 def test_fused_backward_through_jax_grad():

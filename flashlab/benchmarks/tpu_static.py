@@ -15,6 +15,7 @@ kernels and block sizes; calibrate them on a real TPU when one is available.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import subprocess
@@ -22,7 +23,7 @@ import sys
 from pathlib import Path
 
 from flashlab.benchmarks.tpu_static_report import (
-    LIBRARIES, MATMULS, header, table, update_rows)
+    BACKWARD_ROLES, LIBRARIES, MATMULS, header, table, update_rows)
 from flashlab.instruments import tpu_dump
 
 __all__ = ["build", "measure", "chip_clock", "main", "parser"]
@@ -49,7 +50,8 @@ def _flashlab(chip, backward, causal, block, shape, dtype):
         f = forward_config.make_config(spec, block_q=bq, block_k=bk, chip=chip)
         got["fwd"] = (f.block_q, f.block_k)
         got["chunk_visits"] = f.chunk_visits()
-        c = backward_grid.make_backward_config(spec, block_q=bq, block_k=bk, chip=chip)
+        c, got["fused"] = backward_grid.resolve_backward(spec, block_q=bq, block_k=bk,
+                                                         chip=chip)
         got["bwd"] = [c.block_q, c.block_k]
         return q
     jax.eval_shape(probe, x, x, x)
@@ -58,12 +60,19 @@ def _flashlab(chip, backward, causal, block, shape, dtype):
     def f(q, k, v):      # the blocks a user gets: passing fb would size the backward by them
         return flash.flash_attention(q, k, v, is_causal=causal, block_q=bq, block_k=bk,
                                      interpret=False, chip=chip)
-    info = {"forward": list(fb), "dq": got["bwd"], "dkdv": got["bwd"],
+    info = {"forward": list(fb), "dq": got["bwd"], "dkdv": got["bwd"], "fused": got["fused"],
             "chunk_visits": list(got["chunk_visits"])}
     return f, (x, x, x), info
 
 
-def _splash(chip, backward, causal, block, shape, dtype):
+def _splash_fused(chip, backward, causal, block, shape, dtype):
+    """splash with its own fused backward (``use_fused_bwd_kernel``): one dK/dV kernel that
+    also writes a dQ partial per kv block in the inputs' dtype, ``[T_c, B, H, T, d]`` in HBM,
+    summed by XLA after (that sum and those bytes are not on the static schedule)."""
+    return _splash(chip, backward, causal, block, shape, dtype, fused=True)
+
+
+def _splash(chip, backward, causal, block, shape, dtype, fused=False):
     import jax
     from flashlab.compat.pallas import official_splash_attention
     sa = official_splash_attention()
@@ -71,13 +80,16 @@ def _splash(chip, backward, causal, block, shape, dtype):
     x = jax.ShapeDtypeStruct((B, H, T, d), dtype)
     one = sa.CausalMask((T, T)) if causal else sa.FullMask((T, T))
     bq, bk = block if block else (None, None)
-    bs = sa.BlockSizes.get_default() if not block else sa.BlockSizes(
-        block_q=bq, block_kv=bk, block_kv_compute=bk, block_q_dkv=bq,
-        block_kv_dkv=bk, block_kv_dkv_compute=bk, block_q_dq=bq, block_kv_dq=bk)
+    bq, bk = block if block else (128, 128)        # splash's defaults: 128 everywhere
+    bs = sa.BlockSizes(block_q=bq, block_kv=bk, block_kv_compute=bk, block_q_dkv=bq,
+                       block_kv_dkv=bk, block_kv_dkv_compute=bk, use_fused_bwd_kernel=fused,
+                       **({} if fused else dict(block_q_dq=bq, block_kv_dq=bk)))
+    if not block and not fused:
+        assert bs == sa.BlockSizes.get_default(), "splash's defaults moved: update the bench"
     kernel = sa.make_splash_mha(sa.MultiHeadMask([one] * H), block_sizes=bs, head_shards=1,
                                 q_seq_shards=1)
     info = {"forward": [bs.block_q, bs.block_kv], "dq": [bs.block_q_dq, bs.block_kv_dq],
-            "dkdv": [bs.block_q_dkv, bs.block_kv_dkv]}
+            "dkdv": [bs.block_q_dkv, bs.block_kv_dkv], "fused": fused}
     return jax.vmap(kernel), (x, x, x), info
 
 
@@ -100,7 +112,8 @@ def _jax_flash(chip, backward, causal, block, shape, dtype):
     return f, (x, x, x), info
 
 
-_BUILDERS = {"flashlab": _flashlab, "splash": _splash, "jax_pallas_flash": _jax_flash}
+_BUILDERS = {"flashlab": _flashlab, "splash": _splash, "jax_pallas_flash": _jax_flash,
+             "splash_fused": _splash_fused}
 
 
 def build(*, chip: str, library: str, backward: bool, batch: int, seq_len: int, heads: int,
@@ -157,8 +170,9 @@ def init_runs(library: str, role: str, grid, *, batch, heads, seq_len, block_q, 
     """How often a kernel's init and finalize run: once per step of its grid without the
     innermost (reduction) axis, or, on flashlab's visit grids (``(B, H, n)``; the dK/dV
     kernel's ``(B, K, n, G)``), once per row of the list: a q block (a kv block for dK/dV)."""
-    if library == "flashlab" and len(grid) == (4 if role == "dkdv" else 3):
-        return batch * heads * -(-seq_len // (block_k if role == "dkdv" else block_q))
+    kv_rows = role in ("dkdv", "fused")
+    if library == "flashlab" and len(grid) == (4 if kv_rows else 3):
+        return batch * heads * -(-seq_len // (block_k if kv_rows else block_q))
     return math.prod(grid[:-1])
 
 
@@ -210,8 +224,8 @@ def measure(*, chips, libraries=LIBRARIES, modes=("default", "equal"), block=512
     """
     modes = list(modes) + [("sweep", tuple(p)) for p in sweep]
     jobs = [(c, lib, m, bwd) for c in chips for lib in libraries for m in modes
-            for bwd in (False, True) if (bwd and {"dq", "dkdv"} & set(kernels))
-            or (not bwd and "forward" in kernels)]
+            for bwd in (False, True) if (bwd and set(BACKWARD_ROLES) & set(kernels))
+            or (not bwd and "forward" in kernels and lib != "splash_fused")]
     bar = None
     if progress:
         try:
@@ -259,17 +273,21 @@ def measure(*, chips, libraries=LIBRARIES, modes=("default", "equal"), block=512
         if isinstance(d, Exception):
             e = d
             for role in (("dq", "dkdv") if bwd else ("forward",)):
-                if role in kernels:
+                if role in kernels or (role == "dkdv" and "fused" in kernels):
                     rows.append(dict(chip=c, library=lib, kernel=role, blocks=m, **pair,
                                      **shape, causal=causal,
                                      error=" ".join(str(e).split())[:300]))
         else:
             versions = dict(jax=d.jax_version, libtpu=d.libtpu_version)
             for role, k in d.kernels.items():
+                blocks = d.info["blocks"][role]
+                if role == "dkdv" and d.info["blocks"].get("fused"):
+                    role = "fused"         # one kernel for dQ, dK and dV (ours or splash's)
                 if role in kernels and (role == "forward") != bwd:
                     per_head = d.info["blocks"].get("chunk_visits", (0, 0)) if (
                         role == "forward") else (0, 0)
-                    rows.append(_row(k, d.info["blocks"][role], chip=c, library=lib, mode=m,
+                    k = dataclasses.replace(k, role=role)
+                    rows.append(_row(k, blocks, chip=c, library=lib, mode=m,
                                      causal=causal, timeline=(c == timeline_chip and m == "equal"),
                                      chunk_visits=per_head, **shape))
     if bar is not None:
@@ -277,7 +295,8 @@ def measure(*, chips, libraries=LIBRARIES, modes=("default", "equal"), block=512
     for r in rows:                                   # ratio to splash, same chip/kernel/mode
         key = lambda x: (x["chip"], x["kernel"], x["blocks"],  # noqa: E731
                          (x.get("block_q"), x.get("block_k")) if x["blocks"] == "sweep" else 0)
-        ref = [x for x in rows if x.get("library") == "splash" and "error" not in x
+        ref = [x for x in rows if x.get("library") in ("splash", "splash_fused")
+               and "error" not in x
                and "error" not in r and key(x) == key(r)]
         r["ratio_splash"] = (r["est_cycles"] / ref[0]["est_cycles"]
                              if ref and "error" not in r else None)

@@ -9,11 +9,19 @@ from pathlib import Path
 
 __all__ = ["LIBRARIES", "MATMULS", "ROLE_LABEL", "TARGETS", "update_rows", "best_blocks",
            "target_table", "header", "table", "training_step_table", "stored_backward_before",
+           "backward_rows", "OTHERS", "BACKWARD_ROLES",
            "before_after_table"]
 
-LIBRARIES = ("flashlab", "splash", "jax_pallas_flash")
-MATMULS = {"forward": 2, "dq": 3, "dkdv": 4}     # matmuls of one tile, per kernel
-ROLE_LABEL = {"forward": "forward", "dq": "dQ", "dkdv": "dK/dV"}
+#: ``splash_fused``: splash with ``use_fused_bwd_kernel`` (its backward only; its forward is
+#: splash's). In the backward's comparisons it counts as splash (:func:`backward_rows`).
+LIBRARIES = ("flashlab", "splash", "jax_pallas_flash", "splash_fused")
+OTHERS = ("splash", "jax_pallas_flash")         # what flashlab is set against
+#: matmuls of one tile, per kernel; "fused": a whole backward in one kernel (flashlab's, or
+#: splash's fused dK/dV kernel, which also writes dQ)
+MATMULS = {"forward": 2, "dq": 3, "dkdv": 4, "fused": 5}
+ROLE_LABEL = {"forward": "forward", "dq": "dQ", "dkdv": "dK/dV", "fused": "fused",
+              "backward": "bwd"}
+BACKWARD_ROLES = ("dq", "dkdv", "fused")
 
 
 def _row_key(r) -> tuple:
@@ -26,11 +34,20 @@ def _row_key(r) -> tuple:
     return k
 
 
+def _job_key(r) -> tuple:
+    """A backward row's compile: its key without the kernel (one ``jax.grad`` compiles the
+    split's two kernels, or one fused kernel)."""
+    k = _row_key(dict(r, kernel="backward"))
+    return k if r.get("kernel") in BACKWARD_ROLES else ()
+
+
 def update_rows(path, rows, *, versions: dict, command: str, commit: str) -> dict:
     """Replace the rows of the stored run at ``path`` that have the same (chip, library,
     kernel, blocks) as ``rows`` (also block pair and shape for sweep rows), append the rest;
-    each new row records ``command``, ``commit`` and ``versions``, and the document's
-    ``updates`` list records the run. Returns the new document."""
+    a backward compile's rows replace every backward row of that compile (a backward that
+    was split and is now fused leaves no stale dQ and dK/dV rows). Each new row records
+    ``command``, ``commit`` and ``versions``, and the document's ``updates`` list records the
+    run. Returns the new document."""
     p = Path(path)
     doc = json.loads(p.read_text()) if p.exists() else {"versions": versions, "args": {},
                                                         "rows": []}
@@ -38,6 +55,7 @@ def update_rows(path, rows, *, versions: dict, command: str, commit: str) -> dic
     for r in rows:
         r = dict(r, command=command, commit=commit, versions=dict(versions))
         new[_row_key(r)] = r
+    jobs = {_job_key(r) for r in new.values()} - {()}
     out, seen = [], set()
     for r in doc["rows"]:
         k = _row_key(r)
@@ -45,6 +63,8 @@ def update_rows(path, rows, *, versions: dict, command: str, commit: str) -> dic
             if k not in seen:
                 out.append(new[k])
                 seen.add(k)
+        elif _job_key(r) in jobs:
+            continue                              # replaced by the new compile's rows
         else:
             out.append(r)
     out += [r for k, r in new.items() if k not in seen]
@@ -90,7 +110,7 @@ def target_table(rows, *, kernel: str = "forward", target: float | None = None) 
                       and (mode == "best" or r["blocks"] == "equal")]
                 if rs:
                     pick[lib] = min(rs, key=lambda r: r["est_cycles"])
-            others = [pick[k] for k in ("splash", "jax_pallas_flash") if k in pick]
+            others = [pick[k] for k in OTHERS if k in pick]
             if "flashlab" not in pick or not others:
                 continue
             f, o = pick["flashlab"], min(others, key=lambda r: r["est_cycles"])
@@ -165,70 +185,117 @@ def table(rows) -> str:
     return "\n".join(out)
 
 
-def backward_pairs(rows) -> dict:
-    """``{(chip, library): {(block_q, block_k): (dq_row, dkdv_row)}}``: the block pairs with
-    both backward kernels measured (default, equal and sweep rows; the two kernels of one
-    library share their blocks, so a pair is ranked by the sum of their estimates)."""
+def backward_rows(rows) -> list:
+    """One row per whole backward (``kernel="backward"``): a library's backward kernels of
+    one (chip, blocks, block pair, shape) summed, the split's dQ + dK/dV (``option="split"``)
+    or one fused kernel (``option="fused"``). ``splash_fused`` rows count as splash's: the
+    fused backward is one of splash's options, as it is one of ours. ``est_cycles``,
+    ``est_ms``, ``floor_ms`` and ``flops`` are the sums; ``parts`` the rows summed."""
     by = {}
     for r in rows:
-        if (r.get("kernel") in ("dq", "dkdv") and "error" not in r
-                and r.get("est_ms") is not None):
-            k = by.setdefault((r["chip"], r["library"]), {}).setdefault(
-                (r["block_q"], r["block_k"]), {})
-            k[r["kernel"]] = r
-    return {ck: {p: (v["dq"], v["dkdv"]) for p, v in pairs.items() if len(v) == 2}
-            for ck, pairs in by.items()}
+        if (r.get("kernel") in BACKWARD_ROLES and "error" not in r
+                and r.get("est_cycles") is not None):
+            fused = r["kernel"] == "fused"
+            lib = "splash" if r["library"] == "splash_fused" else r["library"]
+            k = (r["chip"], lib, r["blocks"], r["block_q"], r["block_k"], r.get("batch"),
+                 r.get("heads"), r.get("seq_len"), r.get("head_dim"), r.get("causal"), fused)
+            by.setdefault(k, {})[r["kernel"]] = r
+    out = []
+    for k, parts in by.items():
+        if set(parts) not in ({"dq", "dkdv"}, {"fused"}):
+            continue
+        ps = [parts[n] for n in ("dq", "dkdv", "fused") if n in parts]
+        first = ps[0]
+        r = {f: first.get(f) for f in ("chip", "blocks", "block_q", "block_k", "batch", "heads",
+                                         "seq_len", "head_dim", "causal")}
+        ms = [p.get("est_ms") for p in ps]
+        floor = [p.get("floor_ms") for p in ps]
+        r.update(library=k[1], kernel="backward", option="fused" if k[-1] else "split",
+                 est_cycles=sum(p["est_cycles"] for p in ps),
+                 est_ms=None if None in ms else sum(ms),
+                 floor_ms=None if None in floor else sum(floor),
+                 flops=sum(p.get("flops") or 0 for p in ps),
+                 tile_cycles=sum(p["tile_cycles"] for p in ps),
+                 step_cycles=max(p["step_cycles"] for p in ps),
+                 parts=[p["name"] for p in ps])
+        out.append(r)
+    return out
+
+
+def backward_pairs(rows) -> dict:
+    """``{(chip, library): {(block_q, block_k): backward row}}``: each library's fastest whole
+    backward (:func:`backward_rows`, split or fused) per block pair (default, equal and sweep
+    rows)."""
+    out = {}
+    for r in backward_rows(rows):
+        k = out.setdefault((r["chip"], r["library"]), {})
+        p = (r["block_q"], r["block_k"])
+        if p not in k or r["est_cycles"] < k[p]["est_cycles"]:
+            k[p] = r
+    return out
 
 
 def backward_sweep_table(rows) -> str:
-    """dQ + dK/dV estimates (ms) per chip, library and block pair, the best pair marked ``*``,
-    and flashlab's best against the better of splash's and jax's best."""
+    """Whole-backward estimates (ms) per chip, library and block pair (``f``: the fused
+    backward was the faster there), the best pair marked ``*``, and flashlab's best against
+    the better of splash's and jax's best."""
     pairs = backward_pairs(rows)
     cols = sorted({p for v in pairs.values() for p in v})
     out = [f"{'chip':4} {'library':17} " + " ".join(f"{f'{q}x{k}':>10}" for q, k in cols)
            + f" {'x best other':>12}"]
     for chip in dict.fromkeys(c for c, _ in pairs):
-        best = {lib: min(sum(r["est_ms"] for r in v) for v in pairs[chip, lib].values())
+        best = {lib: min(r["est_ms"] for r in pairs[c, lib].values())
                 for c, lib in pairs if c == chip}
-        others = [best[k] for k in ("splash", "jax_pallas_flash") if k in best]
+        others = [best[k] for k in OTHERS if k in best]
         for lib in LIBRARIES:
             if (chip, lib) not in pairs:
                 continue
             cells = []
             for p in cols:
-                v = pairs[chip, lib].get(p)
-                t = None if v is None else sum(r["est_ms"] for r in v)
-                cells.append(f"{'-' if t is None else f'{t:.2f}' + ('*' if t == best[lib] else ' '):>10}")
+                r = pairs[chip, lib].get(p)
+                if r is None:
+                    cells.append(f"{'-':>10}")
+                    continue
+                t = r["est_ms"]
+                mark = ("f" if r["option"] == "fused" else "") + ("*" if t == best[lib] else "")
+                cells.append(f"{f'{t:.2f}{mark}':>10}")
             ratio = (f"{best[lib] / min(others):.2f}" if lib == "flashlab" and others else "")
             out.append(f"{chip:4} {lib:17} " + " ".join(cells) + f" {ratio:>12}")
     return "\n".join(out)
 
 
 def training_step_table(rows, *, blocks="equal") -> str:
-    """Forward + dQ + dK/dV whole-kernel estimates per chip and library (one training step's
-    attention), with the ratio to splash: what ``auto``'s order on a TPU should follow.
+    """Forward + whole-backward estimates per chip and library (one training step's
+    attention), with the ratio to splash: what ``auto``'s order on a TPU should follow. The
+    backward is the faster of the library's split and fused ones at those blocks
+    (:func:`backward_pairs`).
 
     ``blocks``: ``"equal"`` or ``"default"`` (those rows), or ``"best"``: each library's
-    fastest forward blocks plus its fastest backward pair (:func:`backward_pairs`)."""
+    fastest forward blocks plus its fastest backward pair."""
+    fwd_rows = [r for r in rows if r.get("kernel") == "forward"]
     if blocks == "best":
         fwd = best_blocks(rows, kernel="forward")
-        rows = [r for (c, lib), pairs in backward_pairs(rows).items() if (c, lib) in fwd
-                for r in min(pairs.values(), key=lambda v: v[0]["est_ms"] + v[1]["est_ms"])
-                + (fwd[c, lib],)]
-        rows = [dict(r, blocks="best") for r in rows]
+        picked = [(fwd[c, lib], min(pairs.values(), key=lambda r: r["est_cycles"]))
+                  for (c, lib), pairs in backward_pairs(rows).items() if (c, lib) in fwd]
+    else:
+        fwd = {(r["chip"], r["library"]): r for r in fwd_rows if r.get("blocks") == blocks
+               and "error" not in r}
+        bwd = {}
+        for r in backward_rows(rows):
+            k = (r["chip"], r["library"])
+            if r["blocks"] == blocks and (k not in bwd or r["est_cycles"] < bwd[k]["est_cycles"]):
+                bwd[k] = r
+        picked = [(fwd[k], b) for k, b in bwd.items() if k in fwd]
     out = [f"{'chip':4} {'library':17} {'fwd+bwd est ms':>14} {'x floor':>7} {'x splash':>8}"]
     by = {}
-    for r in rows:
-        if r.get("blocks") == blocks and "error" not in r and r.get("est_ms") is not None:
-            t = by.setdefault((r["chip"], r["library"]), [0.0, 0.0, set()])
-            t[0] += r["est_ms"]
-            t[1] += r["floor_ms"]
-            t[2].add(r["kernel"])
-    for (chip, lib), (est, floor, ks) in by.items():
-        if ks != set(MATMULS):
+    for f, b in picked:
+        if f.get("est_ms") is None or b.get("est_ms") is None:
             continue
+        by[f["chip"], f["library"]] = (f["est_ms"] + b["est_ms"], f["floor_ms"] + b["floor_ms"],
+                                       b["option"])
+    for (chip, lib), (est, floor, option) in by.items():
         ref = by.get((chip, "splash"))
-        rs = f"{est / ref[0]:.2f}" if ref and ref[2] == set(MATMULS) else "-"
+        rs = f"{est / ref[0]:.2f}" if ref else "-"
         out.append(f"{chip:4} {lib:17} {est:14.2f} {est / floor:7.2f} {rs:>8}")
     return "\n".join(out)
 
@@ -266,7 +333,7 @@ def before_after_table(before_rows, after_rows, *, kernels=("dq", "dkdv"),
             b, a = eq(before_rows, "flashlab", chip, kernel), eq(after_rows, "flashlab", chip, kernel)
             if b is None or a is None:
                 continue
-            others = [o for lib in ("splash", "jax_pallas_flash")
+            others = [o for lib in OTHERS
                       if (o := eq(after_rows, lib, chip, kernel)) is not None]
             ratio = (f"{a['est_cycles'] / min(o['est_cycles'] for o in others):.2f}"
                      if others else "-")

@@ -315,9 +315,11 @@ def kernel_grid(kernel: str, *, batch: int, heads: int, seq_len: int, head_dim: 
     ``kernel="backward_dkdv"`` / ``"backward_dq"``: the two backward kernels'
     (:func:`flashlab.kernels.backward_grid.dkdv_grid_spec`,
     :func:`~flashlab.kernels.backward_grid.dq_grid_spec`).
+    ``kernel="backward_fused"``: the fused backward's one kernel (``dkdv_grid_spec(...,
+    fused=True)``: its dQ block ``[G, T, d]`` resident per (batch, kv head)).
     ``kernel="backward"`` names two kernels: use :func:`kernel_hbm_bytes`, which sums them.
     """
-    names = ("forward", "backward_dkdv", "backward_dq")
+    names = ("forward", "backward_dkdv", "backward_dq", "backward_fused")
     if kernel == "backward":
         raise ValueError("kernel='backward' is two pallas_calls: ask kernel_grid for "
                          "'backward_dkdv' or 'backward_dq' (kernel_hbm_bytes('backward') "
@@ -355,7 +357,8 @@ def kernel_grid(kernel: str, *, batch: int, heads: int, seq_len: int, head_dim: 
     else:
         from flashlab.kernels import backward as kbwd
         from flashlab.kernels import backward_grid
-        gs = (backward_grid.dkdv_grid_spec if kernel == "backward_dkdv" else backward_grid.dq_grid_spec)(cfg)
+        gs = (backward_grid.dq_grid_spec(cfg) if kernel == "backward_dq" else
+              backward_grid.dkdv_grid_spec(cfg, fused=kernel == "backward_fused"))
         name = gs.name
     # the scalar-prefetch operands the wrapper passes: full q and kv lengths per batch row
     lengths = (np.full((batch,), seq_len, np.int32), np.full((batch,), kv_len, np.int32))
@@ -381,18 +384,20 @@ def kernel_hbm_bytes(kernel: str, *, batch: int, heads: int, seq_len: int, head_
     ``dv`` / ``dq`` out), each kernel's
     ``"<kernel>/total"``, plus ``"rowsum_D"`` (the XLA pass before them: read O and dO, write
     the lane-replicated float32 D) and the summed ``"read"``, ``"written"``, ``"total"``.
+    ``kernel="backward_fused"``: the fused backward, ``"fused/<operand>"`` entries (its
+    ``dq`` float32, written once per (batch, kv head)) and ``"rowsum_D"`` writing ``stats_t``.
     The bytes are those of the kernel's padded operands: a head_dim below 128 is padded to
     128 lanes and moves as 128. See :func:`replay` for the pipeline rule.
     """
     kw = dict(batch=batch, heads=heads, seq_len=seq_len, head_dim=head_dim, dtype=dtype,
               block_q=block_q, block_k=block_k, is_causal=is_causal, kv_seq_len=kv_seq_len,
               kv_heads=kv_heads, local_window_size=local_window_size)
-    if kernel != "backward":
+    if kernel not in ("backward", "backward_fused"):
         kg = kernel_grid(kernel, **kw, return_lse=return_lse)
         return {k: v["bytes"] for k, v in replay(kg).items()}
     out: dict[str, int] = {}
     read = written = 0
-    for part in ("dkdv", "dq"):
+    for part in (("fused",) if kernel == "backward_fused" else ("dkdv", "dq")):
         kg = kernel_grid(f"backward_{part}", **kw)
         r = replay(kg)
         for name, v in r.items():
@@ -402,7 +407,7 @@ def kernel_hbm_bytes(kernel: str, *, batch: int, heads: int, seq_len: int, head_
         read += r["read"]["bytes"]
         written += r["written"]["bytes"]
     do = kg.operand("do")                     # D_i = rowsum(dO ∘ O): read O and dO, write D
-    st = kg.operand("stats")                  # (lse and D written together, float32)
+    st = kg.operand("stats_t" if kernel == "backward_fused" else "stats")  # lse and D, float32
     out["rowsum_D"] = 2 * math.prod(do.shape) * do.itemsize + math.prod(st.shape) * 4
     read += 2 * math.prod(do.shape) * do.itemsize
     written += math.prod(st.shape) * 4

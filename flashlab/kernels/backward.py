@@ -127,11 +127,12 @@ def _dkdv_kernel(*refs, cfg: ForwardConfig, names: RefNames, fused=False):
     """Step ``(b, hk, j, g, i)`` (or ``(b, hk, t, g)`` of the visit grid): dV_j += P_ijᵀ dO_i,
     dK_j += scale·dS'_ijᵀ Q_i.
 
-    ``refs`` by name (:meth:`BackwardGridSpec.ref_names`). ``fused``: also ``dq_part[j, i] =
-    dS'_ij K_j`` (see :func:`dkdv_grid_spec`)."""
+    ``refs`` by name (:meth:`BackwardGridSpec.ref_names`). ``fused``: also ``dQ_i += dS'_ij
+    K_j`` into the float32 output block ``dq [G, T, d]``, resident in VMEM for the whole
+    (b, hk) (see :func:`dkdv_grid_spec`)."""
     ins = name_refs(refs, names)
     offsets_ref = ins.get("offsets")
-    dk_ref, dv_ref, dq_part = ins["dk"], ins["dv"], ins.get("dq_part")
+    dk_ref, dv_ref, dq_ref = ins["dk"], ins["dv"], ins.get("dq")
     dk_acc, dv_acc = ins["dk_acc"], ins["dv_acc"]
     b = pl.program_id(0)
     q_lengths, kv_lengths = forward_grid.static_lengths(cfg, ins["q_lengths"], ins["kv_lengths"])
@@ -155,6 +156,13 @@ def _dkdv_kernel(*refs, cfg: ForwardConfig, names: RefNames, fused=False):
         dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
         dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
 
+    if fused:          # the (b, hk)'s first step: its G heads' dQ [G, T, d] start at zero
+        starts = [pl.program_id(a) == 0 for a in range(2, 4 if "visits" in ins else 5)]
+
+        @pl.when(functools.reduce(jnp.logical_and, starts))
+        def _zero_dq():
+            dq_ref[...] = jnp.zeros(dq_ref.shape, jnp.float32)
+
     @pl.when(run)
     def _compute():
         def add_dv(p_t):                                           # dV_j += P_ijᵀ dO_i
@@ -168,15 +176,11 @@ def _dkdv_kernel(*refs, cfg: ForwardConfig, names: RefNames, fused=False):
         if not early:
             add_dv(p_t)
         dk_acc[...] += jnp.dot(ds_t.astype(q.dtype), q, preferred_element_type=jnp.float32)
-        if fused:                                                  # dS'ᵀᵀ K_j: [B_r, d]
-            dq_part[...] = jax.lax.dot_general(ds_t.astype(q.dtype), ins["k"][...],
-                                               (((0,), (0,)), ((), ())),
-                                               preferred_element_type=jnp.float32)
-
-    if fused:
-        @pl.when(jnp.logical_not(run))
-        def _zero_dq_part():
-            dq_part[...] = jnp.zeros(dq_part.shape, jnp.float32)
+        if fused:                                      # dQ_i += dS'ᵀᵀ K_j: [B_r, d]
+            rows = pl.ds(pl.multiple_of(i * cfg.block_q, cfg.block_q), cfg.block_q)
+            dq_ref[g, rows, :] += jax.lax.dot_general(
+                ds_t.astype(q.dtype), ins["k"][...], (((0,), (0,)), ((), ())),
+                preferred_element_type=jnp.float32)
 
     @pl.when(last)
     def _write():
@@ -270,7 +274,7 @@ def _cost_estimate(gs: BackwardGridSpec, kernel: str) -> Any:
     d, dv = cfg.head_dim_p, cfg.head_dim_v_p
     # dK/dV: S, dP, dV, dK (4 matmuls); dQ: S, dP, dQ (3); dBias: S, dP (2)
     flops = 2 * pairs * tile * {"dkdv": 2 * d + 2 * dv, "dq": 2 * d + dv, "dbias": d + dv}[kernel]
-    if "dq_part" in gs.out_names:                 # the fused option's fifth matmul
+    if kernel == "dkdv" and "dq" in gs.out_names:   # the fused option's fifth matmul
         flops += 2 * pairs * tile * d
     exps = pairs * tile * (2 if cfg.soft_cap is not None else 1)
 
@@ -293,7 +297,7 @@ def _cost_estimate(gs: BackwardGridSpec, kernel: str) -> Any:
 
 def _call(gs: BackwardGridSpec, kernel_fn, kernel: str, interpret, q_lengths, kv_lengths, ops):
     kw = ({"has_ds": "ds" in gs.out_names} if kernel == "dq" else
-          {"fused": "dq_part" in gs.out_names} if kernel == "dkdv" else {})
+          {"fused": "dq" in gs.out_names} if kernel == "dkdv" else {})
     return pl.pallas_call(
         functools.partial(kernel_fn, cfg=gs.config, names=gs.ref_names(), **kw),
         grid_spec=gs.pallas_grid_spec(),
@@ -353,8 +357,8 @@ def _backward(query, key, value, spec, out, lse, d_out, *, cfg: ForwardConfig, i
                      pre + gs.visits() + [arrays[n] for n in gs.in_names])
 
     if fused:
-        dk, dv, dq_part = run(dkdv_grid_spec(cfg, fused=True), _dkdv_kernel, "dkdv")
-        dq_outs = [(jnp.sum(dq_part, axis=2) * cfg.scale).astype(cfg.dtype)]
+        dk, dv, dq = run(dkdv_grid_spec(cfg, fused=True), _dkdv_kernel, "dkdv")
+        dq_outs = [(dq * cfg.scale).astype(cfg.dtype)]       # float32 [B, N, T_pad, d]
     else:
         dk, dv = run(dkdv_grid_spec(cfg), _dkdv_kernel, "dkdv")
         dq_outs = run(dq_grid_spec(cfg, with_dbias), _dq_kernel, "dq")

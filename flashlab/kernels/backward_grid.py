@@ -28,7 +28,7 @@ from flashlab.compat.pallas import pl
 from flashlab.ladder import online_softmax
 
 
-__all__ = ["ForwardConfig", "LSE_ROW", "D_ROW", "LOG2E", "BackwardGridSpec", "STATS_LANES", "backward_grid_specs", "dbias_config", "dbias_grid_spec", "dkdv_grid_spec", "dq_grid_spec", "make_backward_config", "prefetch_names"]
+__all__ = ["BACKWARDS", "resolve_backward", "ForwardConfig", "LSE_ROW", "D_ROW", "LOG2E", "BackwardGridSpec", "STATS_LANES", "backward_grid_specs", "dbias_config", "dbias_grid_spec", "dkdv_grid_spec", "dq_grid_spec", "make_backward_config", "prefetch_names"]
 
 ForwardConfig = forward_config.ForwardConfig
 # The dQ kernel's statistics ``stats [B, N, T, 256]`` float32: lse in lanes [0, 128), D_i in
@@ -38,6 +38,22 @@ ForwardConfig = forward_config.ForwardConfig
 STATS_LANES = 2 * blk.LANES
 LSE_ROW, D_ROW = 0, 1
 LOG2E = online_softmax.LOG2E       # lse is stored (and P computed) in log2 units
+
+
+#: The fused backward against the split one, whole backward on the static schedule (``python
+#: -m flashlab.benchmarks.backward_fused``, B=2 T=8192 H=16 d=128 bf16 causal, jax 0.12.0.1 /
+#: libtpu 0.0.50.1): 0.71x at 1024x1024 on v5e, 0.72x on v5p, v6e and 7x; on v4, whose 16 MiB
+#: of VMEM holds the resident dQ only beside smaller tiles, 0.70x at 512x1024 (0.76x against
+#: the split at its best, 1024x1024). So ``"auto"`` runs it wherever it fits.
+BACKWARDS = ("auto", "split", "fused")
+
+
+def _vmem_kw(spec: AttentionSpec, fused: bool) -> dict:
+    """What the backward's VMEM estimate needs of ``spec`` (the fused kernel: its resident dQ
+    ``[G, T, d]``)."""
+    kw = dict(forward_config.block_kwargs(spec), soft_cap=spec.soft_cap is not None,
+              fused=fused)
+    return dict(kw, q_len=spec.q_len, group=spec.group_size) if fused else kw
 
 
 def make_backward_config(spec: AttentionSpec, *, block_q=None, block_k=None,
@@ -50,23 +66,58 @@ def make_backward_config(spec: AttentionSpec, *, block_q=None, block_k=None,
     :func:`blocks.choose_backward_block_sizes` for ``chip`` (``None``: the compile target,
     :func:`blocks.resolve_chip`). ``block_q`` is rounded up to a multiple of 128: the dK/dV
     kernel computes the transposed tile ``Sᵀ [B_c, B_r]``, where B_r is the lane dim.
-    ``fused``: size them for the fused backward (one kernel, its float32 dQ partials).
+    ``fused``: size them for the fused backward (one kernel, its resident float32 dQ); raises
+    ``ValueError`` when no blocks fit (a sequence too long for its dQ to stay in VMEM).
     ``visit_grid``: as in :func:`forward_config.make_config` (``None``: where it skips enough
     steps to pay, :data:`forward_config.VISIT_MAX_SHARE`).
     """
     chip = blk.resolve_chip(chip)
     dt = jnp.dtype(spec.dtype)
-    kw = dict(forward_config.block_kwargs(spec), soft_cap=spec.soft_cap is not None,
-              fused=fused)
+    kw = _vmem_kw(spec, fused)
+    choose_kw = {k: v for k, v in kw.items() if k != "q_len"}
     auto_q, auto_k = blk.choose_backward_block_sizes(spec.q_len, spec.kv_len, spec.head_dim, dt,
-                                                     chip, is_causal=spec.is_causal, **kw)
+                                                     chip, is_causal=spec.is_causal,
+                                                     **choose_kw)
     auto_q = blk.round_up(auto_q, blk.LANES)
     bq = auto_q if block_q is None else blk.round_up(block_q, blk.LANES)
     bk = auto_k if block_k is None else block_k
     if not blk._backward_fits(bq, bk, spec.head_dim, dt, chip, **kw):
         bq, bk = auto_q, auto_k
+    if fused and not blk._backward_fits(bq, bk, spec.head_dim, dt, chip, **kw):
+        need = blk.backward_vmem_bytes(bq, bk, spec.head_dim, dt, **kw)
+        raise ValueError(
+            f"backward='fused': q_len={spec.q_len} with {spec.group_size} query head(s) per kv "
+            f"head needs {need / 2**20:.1f} MiB of VMEM on {chip} (its dQ [G, T, d] float32 "
+            f"stays resident), over the {blk.vmem_limit_bytes(chip) / 2**20:.0f} MiB limit; "
+            f"expected backward='split' or 'auto' at this length")
     return forward_config.make_config(spec, block_q=bq, block_k=bk, chip=chip,
                                       visit_grid=visit_grid, backward_blocks=True)
+
+
+def resolve_backward(spec: AttentionSpec, backward: str = "auto", *, block_q=None,
+                     block_k=None, chip=None) -> tuple[ForwardConfig, bool]:
+    """``(config, fused)``: which backward ``jax.grad`` runs, and its configuration.
+
+    ``"split"``: the dK/dV and dQ kernels. ``"fused"``: one kernel (raises ``ValueError``
+    where its resident dQ does not fit VMEM). ``"auto"``: fused when its resident dQ fits at
+    the backward's blocks (the ones given, else the measured table's,
+    :func:`blocks.choose_backward_block_sizes`, which ranks each pair by the backward that
+    runs there), else split: the fused backward is faster on every chip where it fits
+    (0.70-0.72x the split's static estimate), and the choice never trades tiles for it.
+    """
+    if not isinstance(backward, str) or backward not in BACKWARDS:
+        raise ValueError(f"backward: expected one of {BACKWARDS}, got {backward!r}")
+    kw = dict(block_q=block_q, block_k=block_k, chip=chip)
+    if backward == "fused":
+        return make_backward_config(spec, fused=True, **kw), True
+    cfg = make_backward_config(spec, **kw)
+    if backward == "split":
+        return cfg, False
+    if not blk._backward_fits(cfg.block_q, cfg.block_k, spec.head_dim, jnp.dtype(spec.dtype),
+                              cfg.chip, **_vmem_kw(spec, True)):
+        return cfg, False
+    return make_backward_config(spec, block_q=cfg.block_q, block_k=cfg.block_k, chip=chip,
+                                fused=True), True
 
 
 # ----------------------------------------------------------------------------- grids as data
@@ -167,15 +218,20 @@ def dkdv_grid_spec(cfg: ForwardConfig, fused: bool = False) -> BackwardGridSpec:
     ``G`` query heads sharing kv head ``hk`` run innermost, so dK_j, dV_j still accumulate over
     every (g, i) before the row's last visit writes them. Only ``b`` and ``hk`` are parallel.
 
-    ``fused``: the fused backward option, one kernel for dQ, dK and dV. Each step also writes
-    its partial ``dQ_i^(j) = dS'_ij K_j`` (unscaled) as a float32 block of ``dq_part
-    [B, N, T_c, T, d]`` (zeros for a skipped step), summed over ``T_c`` in XLA after: no
-    atomics, no revisited output, at the price of ``T_c`` float32 copies of dQ in HBM.
+    ``fused``: the fused backward, one kernel for dQ, dK and dV. Its float32 output ``dq
+    [B, N, T, d]`` (unscaled) is read in blocks ``[G, T, d]``, all of a kv head's query heads
+    over the whole sequence, whose index ``(b, hk)`` does not change while ``j``, ``g`` and
+    ``i`` run: the block stays resident in VMEM and each step adds its ``dS'_ij K_j`` into rows
+    ``i`` of head ``g``; it is written to HBM once, when ``(b, hk)`` moves on. No atomics, no
+    partials in HBM; the price is ``G·T·d·4`` bytes of VMEM (one buffer, ``pl.Buffered(1)``:
+    its write-back is 32 per run at B=2, K=16, not worth a second copy), so the fused backward
+    exists only where that fits (:func:`blocks.backward_vmem_bytes`), and the kv-block axis
+    is "arbitrary" (only ``b`` and ``hk`` split across TensorCores).
     """
     G = cfg.group_size
     bk = cfg.block_k
     Sp, Dp, Dvp = cfg.kv_len_p, cfg.head_dim_p, cfg.head_dim_v_p
-    on_visits = _on_visit_grid(cfg, transposed=True) and not fused
+    on_visits = _on_visit_grid(cfg, transposed=True)
     clamp = cfg.mask_q_len or cfg.mask_kv_len
 
     def q_block(b, j, i, q_lengths, kv_lengths, offsets=None):
@@ -224,20 +280,21 @@ def dkdv_grid_spec(cfg: ForwardConfig, fused: bool = False) -> BackwardGridSpec:
                  pl.BlockSpec((None, None, bk, Dvp), kv_map))
     out_shapes = (sds((B, K, Sp, Dp), cfg.dtype), sds((B, K, Sp, Dvp), cfg.dtype))
     out_names = ("dk", "dv")
-    if fused:                        # every (b, h, j, i) block written once: unclamped i
-        def dq_part_map(b, hk, j, g, i, *_):
-            return (b, hk * G + g, j, i, 0)
-        out_names += ("dq_part",)
-        out_specs += (pl.BlockSpec((None, None, None, cfg.block_q, Dp), dq_part_map),)
-        out_shapes += (sds((B, cfg.num_heads, cfg.num_kv_blocks, cfg.q_len_p, Dp),
-                           jnp.float32),)
+    if fused:                   # the G heads of kv head hk, every row: resident per (b, hk)
+        def dq_map(b, hk, *_):
+            return (b, hk, 0, 0)
+        out_names += ("dq",)
+        out_specs += (pl.BlockSpec((None, G, cfg.q_len_p, Dp), dq_map,
+                                   pipeline_mode=pl.Buffered(1)),)
+        out_shapes += (sds((B, cfg.num_heads, cfg.q_len_p, Dp), jnp.float32),)
     scratch = (compat.VMEM((bk, Dp), jnp.float32), compat.VMEM((bk, Dvp), jnp.float32))
     if on_visits:
         grid = (B, K, len(cfg.visits(transposed=True)), G)
         dims = ("parallel", "parallel", "arbitrary", "arbitrary")
     else:
         grid = (B, K, cfg.num_kv_blocks, G, cfg.num_q_blocks)
-        dims = ("parallel", "parallel", "parallel", "arbitrary", "arbitrary")
+        dims = ("parallel", "parallel", "arbitrary" if fused else "parallel", "arbitrary",
+                "arbitrary")
     return BackwardGridSpec(
         config=cfg, grid=grid,
         in_names=tuple(names), in_specs=tuple(specs), in_shapes=tuple(shapes),
@@ -301,13 +358,18 @@ def dbias_config(cfg: ForwardConfig) -> ForwardConfig:
     return dataclasses.replace(cfg, bias_bcast=(bc[0], bc[1], False, False))
 
 
-def backward_grid_specs(cfg: ForwardConfig, with_dbias: bool = True
+def backward_grid_specs(cfg: ForwardConfig, with_dbias: bool = True, fused: bool = False
                         ) -> dict[str, BackwardGridSpec]:
     """``{"dkdv": ..., "dq": ...[, "dbias": ...]}``: the backward kernels' grids, in the order
-    they run (``dbias`` only for a differentiated bias broadcast over batch or heads)."""
+    they run (``dbias`` only for a differentiated bias broadcast over batch or heads).
+    ``fused``: ``{"fused": ...[, "dbias": ...]}``, the fused backward's one kernel (and the
+    dBias kernel for any differentiated bias: there is no dQ kernel to write dS)."""
     cfg = dbias_config(cfg) if with_dbias else cfg
-    out = {"dkdv": dkdv_grid_spec(cfg), "dq": dq_grid_spec(cfg, with_dbias)}
-    if with_dbias and cfg.bias_bcast is not None and any(cfg.bias_bcast):
+    if fused:
+        out = {"fused": dkdv_grid_spec(cfg, fused=True)}
+    else:
+        out = {"dkdv": dkdv_grid_spec(cfg), "dq": dq_grid_spec(cfg, with_dbias)}
+    if with_dbias and cfg.bias_bcast is not None and (fused or any(cfg.bias_bcast)):
         out["dbias"] = dbias_grid_spec(cfg)
     return out
 

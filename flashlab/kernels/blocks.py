@@ -257,7 +257,7 @@ def _shrink_to_fit(fits, bq, bk, rule):
 def backward_vmem_bytes(block_q: int, block_k: int, head_dim: int, dtype, *,
                         head_dim_v: int | None = None, bias_dtype=None, has_mask: bool = False,
                         has_segments: bool = False, soft_cap: bool = False, fused: bool = False,
-                        buffers: int = 2) -> int:
+                        q_len: int | None = None, group: int = 1, buffers: int = 2) -> int:
     """Estimated VMEM footprint (bytes) of the larger of the two backward kernels.
 
     Each kernel's pipelined blocks count ``buffers`` times, as its BlockSpecs declare them
@@ -266,11 +266,12 @@ def backward_vmem_bytes(block_q: int, block_k: int, head_dim: int, dtype, *,
     float32 and q/kv segment ids ``[block_q, 128]``, ``[8, block_k]`` int32 and writes dQ
     ``[block_q, d]`` (and, with a bias, a float32 dS/dBias ``[block_q, block_k]``); the dK/dV
     kernel reads ``stats_t [8, block_q]`` float32 and segment ids ``[8, block_q]``,
-    ``[block_k, 128]`` int32 and writes dK, dV ``[block_k, d]`` (``fused``: also a float32
-    dQ partial ``[block_q, d]``). Scratch counts once: the float32 accumulators (dQ; dK and
-    dV). On top: Mosaic's spill slots, :data:`BACKWARD_SPILL_TILES` float32 ``[B_r, B_c]``
-    tiles, one more with a soft cap (its tanh) or a mask (widened, compared), one more for
-    the fused option's third matmul. head dims are lane-padded.
+    ``[block_k, 128]`` int32 and writes dK, dV ``[block_k, d]`` (``fused``: also the resident
+    float32 dQ of the kv head's ``group`` query heads over the whole padded ``q_len``,
+    ``[group, T, d]``, in one buffer, :func:`backward_grid.dkdv_grid_spec`). Scratch counts once: the float32
+    accumulators (dQ; dK and dV). On top: Mosaic's spill slots, :data:`BACKWARD_SPILL_TILES`
+    float32 ``[B_r, B_c]`` tiles, one more with a soft cap (its tanh) or a mask (widened,
+    compared), one more for the fused kernel's third matmul. head dims are lane-padded.
     """
     e = jnp.dtype(dtype).itemsize
     d, dv = lane_pad(head_dim), lane_pad(head_dim_v or head_dim)
@@ -288,11 +289,12 @@ def backward_vmem_bytes(block_q: int, block_k: int, head_dim: int, dtype, *,
     if has_segments:
         dq_blocks += (block_q * LANES + SUBLANES * block_k) * 4
         dkdv_blocks += (SUBLANES * block_q + block_k * LANES) * 4
-    if fused:
-        dkdv_blocks += block_q * d * 4
+    resident = 0
+    if fused:      # dQ [G, T_pad, d] float32, resident per (b, kv head), one buffer
+        resident = group * round_up(q_len or block_q, block_q) * d * 4
     dq = (buffers * dq_blocks + block_q * d * 4
           + int((BACKWARD_SPILL_TILES["dq"] + extra_tiles) * tile))
-    dkdv = (buffers * dkdv_blocks + block_k * (d + dv) * 4
+    dkdv = (buffers * dkdv_blocks + resident + block_k * (d + dv) * 4
             + int((BACKWARD_SPILL_TILES["dkdv"] + extra_tiles + int(bool(fused))) * tile))
     return max(dkdv, dq)
 
@@ -306,7 +308,7 @@ def _backward_fits(bq, bk, head_dim, dtype, chip, **kw) -> bool:
 def choose_backward_block_sizes(q_len: int, kv_len: int, head_dim: int, dtype,
                                 chip: str | None = None, *, head_dim_v: int | None = None,
                                 bias_dtype=None, has_mask=False, has_segments=False,
-                                soft_cap: bool = False, fused: bool = False,
+                                soft_cap: bool = False, fused: bool = False, group: int = 1,
                                 is_causal: bool | None = None) -> tuple[int, int]:
     """Default ``(block_q, block_k)`` of the backward kernels for a problem on a chip.
 
@@ -317,11 +319,12 @@ def choose_backward_block_sizes(q_len: int, kv_len: int, head_dim: int, dtype,
     twice its pipelined blocks, so it starts smaller: ``B_r = B_c = 512`` (never larger than
     the padded sequence), then halves B_c, then B_r, until :func:`backward_vmem_bytes` fits
     :func:`vmem_limit_bytes` of ``chip``. Same tiling rule as the forward. ``soft_cap``,
-    ``fused``: as in :func:`backward_vmem_bytes`.
+    ``fused``, ``group``: as in :func:`backward_vmem_bytes`.
     """
     rule = _sublane_rule(dtype, bias_dtype, has_mask)
     kw = dict(head_dim_v=head_dim_v, bias_dtype=bias_dtype, has_mask=has_mask,
-              has_segments=has_segments, soft_cap=soft_cap, fused=fused)
+              has_segments=has_segments, soft_cap=soft_cap, fused=fused,
+              **(dict(q_len=q_len, group=group) if fused else {}))
     if is_causal is not None:
         e = tuned_blocks.lookup(q_len, kv_len, head_dim, dtype, resolve_chip(chip),
                                 is_causal=is_causal, kernel="backward")

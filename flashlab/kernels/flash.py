@@ -82,18 +82,15 @@ def _sink_grad(sinks, out, lse, d_out):
     return jnp.sum(d, axis=0).astype(sinks.dtype)
 
 
-BACKWARDS = ("split", "fused")
+BACKWARDS = backward_grid.BACKWARDS
 
 
 def flash_attention_from_spec(query, key, value, spec: AttentionSpec, *, block_q=None,
-                              block_k=None, interpret=None, chip=None, backward="split"):
+                              block_k=None, interpret=None, chip=None, backward="auto"):
     """The forward kernel on already validated inputs (what the backend registry calls)."""
-    if not isinstance(backward, str) or backward not in BACKWARDS:
-        raise ValueError(f"backward: expected one of {BACKWARDS}, got {backward!r}")
     cfg = forward_config.make_config(spec, block_q=block_q, block_k=block_k, chip=chip)
-    bwd_cfg = (backward_grid.make_backward_config(spec, block_q=block_q, block_k=block_k,
-                                                  chip=chip, fused=backward == "fused"),
-               backward == "fused")
+    bwd_cfg = backward_grid.resolve_backward(spec, backward, block_q=block_q, block_k=block_k,
+                                             chip=chip)
     f = _attention_manual if in_manual_mesh() else _attention
     # Inside shard_map: every operand varies over the same mesh axes, so each cotangent has
     # its primal's type (JAX sums a replicated input's cotangent outside, as for any op).
@@ -104,7 +101,7 @@ def flash_attention_from_spec(query, key, value, spec: AttentionSpec, *, block_q
 def flash_attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
                     query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
                     segment_ids=None, logits_soft_cap=None, block_q=None, block_k=None,
-                    interpret=None, chip=None, sinks=None, backward="split", layout="BTNH"):
+                    interpret=None, chip=None, sinks=None, backward="auto", layout="BTNH"):
     """FlashAttention forward as a Pallas TPU kernel.
 
     Same arguments, semantics and validation as :func:`flashlab.ladder.reference.naive_attention`
@@ -125,10 +122,12 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None, is_c
         mesh being traced under, else this host's TPU, else ``v5e``. An explicit ``chip`` wins.
       sinks: optional float ``[heads]`` sink logits, merged into each row's state at the
         last kv step (``online_softmax.sink_state``); differentiable.
-      backward: which backward ``jax.grad`` runs: ``"split"`` (default: a dK/dV kernel and a
-        dQ kernel) or ``"fused"`` (one kernel for all three, writing float32 dQ partials
-        ``[B, N, T_c, T, d]`` that XLA sums: fewer cycles on the static schedule, many more
-        HBM bytes; chapter 07 weighs the two).
+      backward: which backward ``jax.grad`` runs: ``"auto"`` (default:
+        :func:`flashlab.kernels.backward_grid.resolve_backward`, fused where its resident dQ
+        fits VMEM on a chip where it wins, else split), ``"split"`` (a dK/dV kernel and a dQ
+        kernel, 7 matmuls per tile) or ``"fused"`` (one kernel, 5 matmuls per tile, dQ
+        ``[G, T, d]`` float32 resident in VMEM; ``ValueError`` where that does not fit).
+        Chapter 07 weighs the two.
       layout: ``"BTNH"`` (default) or ``"BNTH"``: query, key, value and the result as
         ``[batch, heads, seq, head_dim]``, which the kernels read in place under ``jit`` (no
         transposed copies in HBM; :mod:`flashlab.contract.layouts`).

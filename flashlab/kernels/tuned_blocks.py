@@ -81,7 +81,9 @@ def lookup(q_len: int, kv_len: int, head_dim: int, dtype, chip: str, *, is_causa
 def entries_from_rows(rows, *, dtype: str, command: str, commit: str, versions: dict) -> list:
     """One entry per (kernel, chip, shape) from a bench run's flashlab rows: the pair with the
     lowest whole-kernel estimate, and every pair tried. A backward pair's estimate is its dQ
-    plus its dK/dV estimate; a pair with only one of the two measured is not ranked.
+    plus its dK/dV estimate, or its fused kernel's where ``backward="auto"`` ran that
+    (:func:`backward_grid.resolve_backward`); a pair with only one of dQ and dK/dV measured
+    is not ranked.
     ``row_commits``: the commits the group's rows record (stored rows do, a fresh run's rows
     do not)."""
     groups = {}
@@ -97,8 +99,9 @@ def entries_from_rows(rows, *, dtype: str, command: str, commit: str, versions: 
         for r in rs:
             k = per.setdefault((r["block_q"], r["block_k"]), {})
             k[r["kernel"]] = min(k.get(r["kernel"], r["est_cycles"]), r["est_cycles"])
-        need = 1 if kernel == "forward" else 2
-        tried = {k: sum(v.values()) for k, v in per.items() if len(v) == need}
+        # a pair's backward: its fused kernel, or its dQ + dK/dV (whichever ran there)
+        tried = {k: v["fused"] if "fused" in v else sum(v.values()) for k, v in per.items()
+                 if set(v) in ({"forward"}, {"fused"}, {"dq", "dkdv"})}
         if not tried:
             continue
         (bq, bk), est = min(tried.items(), key=lambda t: t[1])
