@@ -1,6 +1,6 @@
 """``python -m flashlab.benchmarks.backward_fused``'s accounting, on stand-in schedules (no compile):
-the split backward's visit grids and the fused option's dense grid count their steps, tiles and
-init/finalize runs as ``bench tpu-static`` does."""
+the split backward's two kernels and the fused one, each on its visit grid, count their steps,
+tiles and init/finalize runs as ``bench tpu-static`` does."""
 import types
 
 from flashlab.benchmarks import backward_fused
@@ -13,10 +13,10 @@ def _schedule(tile, step, init, fin):
                                  op_mix={"XLU": 0})
 
 
-def test_split_on_visit_grids_and_fused_on_the_dense_grid(monkeypatch):
+def test_split_and_fused_on_visit_grids(monkeypatch):
     # B=1 H=2 T=2048 causal, 512-blocks: 4 x 4 blocks, 10 visible per head
     grids = {False: {"dkdv": (1, 2, 10, 1), "dq": (1, 2, 10)},
-             True: {"dkdv": (1, 2, 4, 1, 4)}}
+             True: {"dkdv": (1, 2, 10, 1)}}
 
     def fake(builder, chip, *, fused, **kw):
         ks = {role: tpu_dump.KernelDump(f"flashlab_flash_backward_{role}{'_fused' * fused}.1",
@@ -31,7 +31,8 @@ def test_split_on_visit_grids_and_fused_on_the_dense_grid(monkeypatch):
     # visit grids: 20 steps and 20 tiles; init/finalize once per row: 8 q rows, 8 kv rows
     for name, k in split["kernels"].items():
         assert k["est_cycles"] == 10 + 20 * 10 + 20 * 100 + 8 * 7, name
-    # the dense grid: 32 steps, 20 tiles, init/finalize per (b, h, j, g): 8
+    # the fused kernel on the transposed visit list: 20 steps, 20 tiles, 8 kv rows
     (k,) = fused["kernels"].values()
-    assert k["est_cycles"] == 10 + 32 * 10 + 20 * 100 + 8 * 7
+    assert k["est_cycles"] == 10 + 20 * 10 + 20 * 100 + 8 * 7
+    assert fused["resident_dq_bytes"] == 2048 * 128 * 4 and split["resident_dq_bytes"] == 0
     assert fused["ratio_split"] == k["est_cycles"] / split["est_cycles"]

@@ -154,12 +154,16 @@ def test_head_dim_below_128_is_not_padded(d, dv, carried):
     B, T, N = 1, 256, 2
     q = jax.ShapeDtypeStruct((B, T, N, d), jnp.bfloat16)
     v = jax.ShapeDtypeStruct((B, T, N, dv), jnp.bfloat16)
-    f = lambda q, k, v: flash.flash_attention(q, k, v, is_causal=True, interpret=False)  # noqa: E731
-    g = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2))
-    calls = tpu_compile.pallas_calls(g, q, q, v, chip="v5e")
-    assert [c["name"] for c in calls] == ["flashlab_flash_forward", "flashlab_flash_backward_dkdv",
-                                          "flashlab_flash_backward_dq"], calls
-    minor = {b[-1] for c in calls for b in c["blocks"] if len(b) == 4 and b[:2] == (None, None)}
-    assert minor & {carried[0], carried[1]} and minor <= {*carried, 128, 256}, calls
+    for backward, names in (("split", ["flashlab_flash_backward_dkdv",
+                                       "flashlab_flash_backward_dq"]),
+                            ("auto", ["flashlab_flash_backward_dkdv_fused"])):   # fits: fused
+        f = lambda q, k, v: flash.flash_attention(q, k, v, is_causal=True,  # noqa: E731
+                                                  interpret=False, backward=backward)
+        g = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2))
+        calls = tpu_compile.pallas_calls(g, q, q, v, chip="v5e")
+        assert [c["name"] for c in calls] == ["flashlab_flash_forward"] + names, calls
+        minor = {b[-1] for c in calls for b in c["blocks"]
+                 if len(b) == 4 and b[0] is None and b[1] in (None, 1)}
+        assert minor & {carried[0], carried[1]} and minor <= {*carried, 128, 256}, calls
     fwd = calls[0]["blocks"]
     assert fwd[0][-1] == carried[0] and fwd[2][-1] == carried[1], fwd   # q, v blocks

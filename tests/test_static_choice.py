@@ -83,3 +83,22 @@ def test_backward_before_after_table_reads_the_stored_rows():
     v5e_dq = next(ln for ln in lines if ln.startswith("v5e  dQ"))
     b = next(r for r in before["rows"] if (r["chip"], r["kernel"]) == ("v5e", "dq"))
     assert f"{b['tile_cycles']} > {b['tile_cycles'] - 100}" in v5e_dq and v5e_dq.endswith("0.50")
+
+
+def test_a_fused_backward_row_is_the_whole_backward(tmp_path, monkeypatch):
+    """flashlab's default backward is one fused kernel: forward + fused is its training
+    step, set against splash's forward + dQ + dK/dV; variants of the bench are no backend."""
+    p = tmp_path / "tpu_static.json"
+    rows = _rows("v5e", {"splash": 6.0, "jax_pallas_flash": 12.0})
+    rows += [dict(chip="v5e", library="flashlab", kernel=k, blocks="default", est_ms=v)
+             for k, v in (("forward", 1.0), ("fused", 4.0))]
+    rows += [dict(chip="v5e", library="splash_fused", kernel="fused", blocks="default",
+                  est_ms=0.1)]
+    p.write_text(json.dumps(dict(versions={}, args={}, rows=rows)))
+    monkeypatch.setattr(static_table, "STORED", p)
+    ranked, _ = static_table.static_ranking("v5e")
+    assert [(lib, round(ms, 2), k) for lib, ms, k in ranked] == [
+        ("flashlab", 5.0, ("forward", "fused")), ("splash", 6.0, static_table.KERNELS),
+        ("jax_pallas_flash", 12.0, static_table.KERNELS)]
+    c = registry.choose(_spec(), platform="tpu")
+    assert c.backend == "pallas_tpu" and "forward+fused" in c.reason

@@ -49,8 +49,11 @@ def test_missing_libtpu_names_the_install_command(monkeypatch):
 
 @pytest.mark.parametrize("chip", ["v4", "v5p"])
 def test_kernels_take_blocks_and_vmem_limit_from_the_compile_target(chip):
-    """Traced for v4 (16 MiB VMEM) vs v5p (64 MiB): each chip's blocks and limit, fwd and bwd."""
-    kernels = tpu_compile.pallas_calls(_grad, Q, Q, Q, chip=chip)
+    """Traced for v4 (16 MiB VMEM) vs v5p (64 MiB): each chip's blocks and limit, fwd and bwd
+    (the split backward: its dQ kernel's grid shows the backward's blocks)."""
+    import functools
+    kernels = tpu_compile.pallas_calls(functools.partial(_grad, backward="split"), Q, Q, Q,
+                                       chip=chip)
     assert [k["name"] for k in kernels] == ["flashlab_flash_forward",
                                             "flashlab_flash_backward_dkdv",
                                             "flashlab_flash_backward_dq"]
@@ -210,6 +213,8 @@ _ESTIMATE_CASES = [
     ("v4", 512, 512, {"soft_cap": True, "bias": True}),
     ("v4", 512, 1024, {"mask": True}),
     ("v4", 512, 512, {"fused": True}),
+    ("v4", 512, 1024, {"fused": True, "T": 8192}),         # v4's fused default at T = 8192
+    ("v5e", 1024, 1024, {"fused": True, "T": 32768}),      # a 16 MiB resident dQ
     ("v5e", 2048, 1024, {"soft_cap": True}),
 ]
 
@@ -217,18 +222,19 @@ _ESTIMATE_CASES = [
 @needs_libtpu
 @pytest.mark.tpu_compile
 @pytest.mark.parametrize("chip, bq, bk, opts", _ESTIMATE_CASES,
-                         ids=[f"{c}-{q}x{k}-{'-'.join(o) or 'plain'}"
+                         ids=[f"{c}-{q}x{k}-{'-'.join(f'{n}{v}' if n == 'T' else n for n, v in o.items()) or 'plain'}"
                               for c, q, k, o in _ESTIMATE_CASES])
 def test_the_backward_vmem_estimate_bounds_what_mosaic_allocates(monkeypatch, chip, bq, bk,
                                                                     opts):
     from flashlab.contract.masks import validate
     from flashlab.kernels import backward
-    B, T, N, d = 1, 2048, 2, 128
+    B, T, N, d = 1, opts.get("T", 2048), 2, 128
     dt = jnp.bfloat16
     need = blk.backward_vmem_bytes(
         bq, bk, d, dt, bias_dtype=dt if opts.get("bias") else None,
         has_mask=bool(opts.get("mask")), has_segments=bool(opts.get("segments")),
-        soft_cap=bool(opts.get("soft_cap")), fused=bool(opts.get("fused")))
+        soft_cap=bool(opts.get("soft_cap")), fused=bool(opts.get("fused")),
+        **({"q_len": T} if opts.get("fused") else {}))
     monkeypatch.setattr(blk, "vmem_limit_bytes", lambda chip=None: need)
     x = jax.ShapeDtypeStruct((B, T, N, d), dt)
     args = [x, x, x, x, jax.ShapeDtypeStruct((B, N, T), jnp.float32), x]

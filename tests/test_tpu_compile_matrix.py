@@ -3,8 +3,11 @@
 Nothing runs: each case is ``jax.jit(...).lower(...).compile()`` by libtpu (XLA TPU + Mosaic)
 for compile-only devices of the chip (:mod:`flashlab.instruments.tpu_compile`), and must compile
 with no error. Each flashlab case is ONE program holding the forward kernel (inference: no lse) and
-``jax.grad`` through it (the forward with lse, the dK/dV kernel and the dQ kernel), so one
-compile covers all three kernels.
+``jax.grad`` through it (the forward with lse, then the backward), so one compile covers the
+forward and a backward. Which backward: at the default blocks ``backward="auto"`` (the default,
+the fused kernel wherever its resident dQ fits, which at these lengths is everywhere), at the
+largest blocks ``backward="split"`` (the dK/dV kernel and the dQ kernel): each option and
+each chip compiles both backwards, over the cases, at no extra compile.
 
 Which combination runs where, and why (each program costs ~7 s of CPU to compile: a full cross
 product, 5 chips x 26 options x 2 block choices, would take ~15 min on 2 cores; these 50
@@ -152,7 +155,7 @@ def test_flashlab_kernels_compile(case):
                                 bias_dtype=None if bias is None else jnp.dtype(bias.dtype),
                                 has_mask="mask" in arrays,
                                 has_segments="segment_ids" in arrays)
-        block_kw = {"block_q": bq, "block_k": bk}
+        block_kw = {"block_q": bq, "block_k": bk, "backward": "split"}
     attn = lambda *a, **kw: flashlab.flash_attention(*a, **kw, **block_kw, interpret=False)  # noqa: E731,E501
     _check(tpu_compile.compile(_program(attn, static, grad_bias), q, k, v, arrays, chip=chip))
 

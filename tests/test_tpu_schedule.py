@@ -218,3 +218,60 @@ def test_update_rows_replaces_only_the_same_shape(tmp_path):
     doc = rep.update_rows(p, [dict(row, est_cycles=3)], versions={}, command="c", commit="c")
     got = sorted((r["seq_len"], r["head_dim"], r["est_cycles"], r["command"]) for r in doc["rows"])
     assert got == [(2048, 128, 2, "b"), (8192, 64, 1, "b"), (8192, 128, 3, "c")]
+
+
+def test_a_backward_compile_replaces_its_own_earlier_rows(tmp_path):
+    """A backward that was split (dQ + dK/dV rows) and is now fused (one row) leaves no stale
+    split rows of that compile; other libraries, block pairs and the forward keep theirs."""
+    from flashlab.benchmarks import tpu_static_report as rep
+    p = tmp_path / "run.json"
+    base = dict(chip="v5e", library="flashlab", blocks="sweep", block_q=1024, block_k=1024,
+                seq_len=8192, head_dim=128, causal=True, est_cycles=1)
+    rep.update_rows(p, [dict(base, kernel="dq"), dict(base, kernel="dkdv"),
+                        dict(base, kernel="forward"), dict(base, kernel="dq", block_q=512),
+                        dict(base, kernel="dq", library="flashlab_split")],
+                    versions={}, command="a", commit="c")
+    doc = rep.update_rows(p, [dict(base, kernel="fused", est_cycles=2)], versions={},
+                          command="b", commit="c")
+    got = sorted((r["library"], r["kernel"], r["block_q"]) for r in doc["rows"])
+    assert got == [("flashlab", "dq", 512), ("flashlab", "forward", 1024),
+                   ("flashlab", "fused", 1024), ("flashlab_split", "dq", 1024)]
+
+
+def test_backward_rows_sum_a_whole_backward_and_count_variants_as_their_library():
+    """dQ + dK/dV, or one fused kernel; splash_fused counts as splash, flashlab_split as
+    flashlab; the training step adds each library's fastest backward to its forward."""
+    from flashlab.benchmarks import tpu_static_report as rep
+    base = dict(chip="v5e", blocks="equal", block_q=512, block_k=512, batch=2, heads=16,
+                seq_len=8192, head_dim=128, causal=True, tile_cycles=1, step_cycles=1,
+                name="k", flops=1)
+    rows = [dict(base, library=lib, kernel=k, est_cycles=c, est_ms=c / 10, floor_ms=1.0)
+            for lib, k, c in [("flashlab", "forward", 10), ("flashlab", "fused", 50),
+                              ("flashlab_split", "dq", 30), ("flashlab_split", "dkdv", 40),
+                              ("splash", "forward", 11), ("splash", "dq", 31),
+                              ("splash", "dkdv", 41), ("splash_fused", "fused", 55),
+                              ("jax_pallas_flash", "dq", 33)]]    # no dK/dV: not a backward
+    got = sorted((r["library"], r["option"], r["est_cycles"]) for r in rep.backward_rows(rows))
+    assert got == [("flashlab", "fused", 50), ("flashlab", "split", 70),
+                   ("splash", "fused", 55), ("splash", "split", 72)]
+    table = rep.training_step_table(rows, blocks="equal").splitlines()
+    # flashlab 1.0 + 5.0 ms against splash 1.1 + 5.5 ms (its fused backward, the faster)
+    assert any(l.split()[:3] == ["v5e", "flashlab", "6.00"] and l.split()[-1] == "0.91"
+               for l in table), table
+    assert "0.91" in rep.target_table(rows + rep.backward_rows(rows), kernel="backward")
+
+
+def test_the_fused_backwards_dq_zeroing_is_priced_once_per_head():
+    """The fused backward zeroes its resident dQ [T, d] once per (batch, kv head), an init
+    region that stores the whole block; the rest of its init runs once per kv row."""
+    import types
+    from flashlab.benchmarks import tpu_static as bts
+    s = types.SimpleNamespace(outside_loop_cycles=0, step_cycles=1, tile_cycles=10,
+                              init_cycles=1000 + 20, finalize_cycles=5,
+                              init_regions=[(1000, 1024), (20, 4)])
+    # T = 8192, d = 128: 1024 vregs of float32 stored by the zeroing region
+    zero = bts.resident_zeroing(s, seq_len=8192, block_q=1024, head_dim=128)
+    assert zero == 1000
+    assert bts.resident_zeroing(s, seq_len=16384, block_q=1024, head_dim=128) == 0
+    c = ts.kernel_cycles(s, steps=100, tiles=50, rows=64, once=2, once_cycles=zero)
+    assert c == 100 + 500 + 64 * 25 + 2 * 1000

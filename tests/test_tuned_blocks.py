@@ -113,3 +113,17 @@ def test_tpu_blocks_ranks_every_stored_row(tmp_path, capsys):
     import pytest
     with pytest.raises(SystemExit):
         tpu_blocks.main(["--runs", str(tmp_path / "missing.json")])
+
+
+def test_a_backward_pair_is_ranked_by_the_backward_that_ran_there():
+    """Where ``backward="auto"`` ran the fused kernel its one row is the pair's backward;
+    where it ran the split, dQ + dK/dV."""
+    base = dict(library="flashlab", causal=True, head_dim=128, seq_len=8192, chip="v4")
+    rows = [dict(base, kernel="dq", block_q=1024, block_k=1024, est_cycles=8),
+            dict(base, kernel="dkdv", block_q=1024, block_k=1024, est_cycles=10),
+            dict(base, kernel="fused", block_q=512, block_k=1024, est_cycles=15)]
+    (e,) = tuned_blocks.entries_from_rows(rows, dtype="bfloat16", command="c", commit="k",
+                                          versions={})
+    assert (e["kernel"], e["block_q"], e["block_k"], e["est_cycles"]) == ("backward", 512,
+                                                                          1024, 15)
+    assert sorted(t["est_cycles"] for t in e["tried"]) == [15, 18]

@@ -23,7 +23,8 @@ import math
 import sys
 
 from flashlab.instruments import tpu_dump, tpu_schedule
-from flashlab.benchmarks.tpu_static import _commit, _visible_tiles, chip_clock, init_runs
+from flashlab.benchmarks.tpu_static import (_commit, _visible_tiles, chip_clock, init_runs,
+                                            resident_zeroing)
 
 __all__ = ["build", "measure", "main"]
 
@@ -80,11 +81,15 @@ def measure(*, chips, batch=2, seq_len=8192, heads=16, head_dim=128, causal=True
                 if role == "forward":
                     continue
                 s = k.schedule
+                zero = (resident_zeroing(s, seq_len=seq_len, block_q=bq, head_dim=head_dim)
+                        if fused else 0)
                 c = tpu_schedule.kernel_cycles(s, steps=math.prod(k.grid), tiles=tiles,
                                                rows=init_runs("flashlab", k.role, k.grid,
                                                               batch=batch, heads=heads,
                                                               seq_len=seq_len, block_q=bq,
-                                                              block_k=bk))
+                                                              block_k=bk),
+                                               once=batch * heads if zero else 0,
+                                               once_cycles=zero)
                 kernels[k.name] = dict(grid=list(k.grid), tile_cycles=s.tile_cycles,
                                        step_cycles=s.step_cycles, init_cycles=s.init_cycles,
                                        finalize_cycles=s.finalize_cycles,

@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 from flashlab.benchmarks.tpu_static_report import (
-    BACKWARD_ROLES, LIBRARIES, MATMULS, header, table, update_rows)
+    BACKWARD_ROLES, BACKWARD_VARIANTS, LIBRARIES, MATMULS, header, table, update_rows)
 from flashlab.instruments import tpu_dump
 
 __all__ = ["build", "measure", "chip_clock", "main", "parser"]
@@ -34,7 +34,13 @@ __all__ = ["build", "measure", "chip_clock", "main", "parser"]
 TIMELINE_UNITS = ("MXU", "XLU", "VALU", "VPOP", "EUP", "VLOAD", "VSTORE", "SALU")
 
 
-def _flashlab(chip, backward, causal, block, shape, dtype):
+def _flashlab_split(chip, backward, causal, block, shape, dtype):
+    """flashlab with ``backward="split"`` (its dK/dV and dQ kernels), where ``flashlab`` runs
+    what ``backward="auto"`` picks (the fused kernel wherever its resident dQ fits)."""
+    return _flashlab(chip, backward, causal, block, shape, dtype, which="split")
+
+
+def _flashlab(chip, backward, causal, block, shape, dtype, which="auto"):
     import jax
     from flashlab.contract import masks
     from flashlab.kernels import backward_grid
@@ -50,7 +56,7 @@ def _flashlab(chip, backward, causal, block, shape, dtype):
         f = forward_config.make_config(spec, block_q=bq, block_k=bk, chip=chip)
         got["fwd"] = (f.block_q, f.block_k)
         got["chunk_visits"] = f.chunk_visits()
-        c, got["fused"] = backward_grid.resolve_backward(spec, block_q=bq, block_k=bk,
+        c, got["fused"] = backward_grid.resolve_backward(spec, which, block_q=bq, block_k=bk,
                                                          chip=chip)
         got["bwd"] = [c.block_q, c.block_k]
         return q
@@ -59,7 +65,7 @@ def _flashlab(chip, backward, causal, block, shape, dtype):
 
     def f(q, k, v):      # the blocks a user gets: passing fb would size the backward by them
         return flash.flash_attention(q, k, v, is_causal=causal, block_q=bq, block_k=bk,
-                                     interpret=False, chip=chip)
+                                     interpret=False, chip=chip, backward=which)
     info = {"forward": list(fb), "dq": got["bwd"], "dkdv": got["bwd"], "fused": got["fused"],
             "chunk_visits": list(got["chunk_visits"])}
     return f, (x, x, x), info
@@ -113,7 +119,7 @@ def _jax_flash(chip, backward, causal, block, shape, dtype):
 
 
 _BUILDERS = {"flashlab": _flashlab, "splash": _splash, "jax_pallas_flash": _jax_flash,
-             "splash_fused": _splash_fused}
+             "splash_fused": _splash_fused, "flashlab_split": _flashlab_split}
 
 
 def build(*, chip: str, library: str, backward: bool, batch: int, seq_len: int, heads: int,
@@ -171,9 +177,19 @@ def init_runs(library: str, role: str, grid, *, batch, heads, seq_len, block_q, 
     innermost (reduction) axis, or, on flashlab's visit grids (``(B, H, n)``; the dK/dV
     kernel's ``(B, K, n, G)``), once per row of the list: a q block (a kv block for dK/dV)."""
     kv_rows = role in ("dkdv", "fused")
-    if library == "flashlab" and len(grid) == (4 if kv_rows else 3):
+    if library.startswith("flashlab") and len(grid) == (4 if kv_rows else 3):
         return batch * heads * -(-seq_len // (block_k if kv_rows else block_q))
     return math.prod(grid[:-1])
+
+
+def resident_zeroing(s, *, seq_len: int, block_q: int, head_dim: int) -> int:
+    """Cycles of the fused backward's dQ zeroing, the init region that stores the whole
+    resident ``[T_pad, d]`` float32 block (``T_pad / 8`` vregs per 128 lanes; the bench runs
+    one query head per kv head), or 0 where no init region stores that much. It runs once per
+    (batch, kv head), not once per kv row as the rest of the init."""
+    need = -(-seq_len // block_q) * block_q // 8 * -(-head_dim // 128)
+    big = [c for c, stores in getattr(s, "init_regions", ()) if stores >= need]
+    return max(big) if big else 0
 
 
 def _row(k: tpu_dump.KernelDump, blocks, *, chip, library, mode, batch, seq_len, heads,
@@ -189,8 +205,11 @@ def _row(k: tpu_dump.KernelDump, blocks, *, chip, library, mode, batch, seq_len,
                      block_q=bq, block_k=bk)
     tiles = batch * heads * _visible_tiles(seq_len, bq, bk, causal)
     partial, partial_chunks = (batch * heads * n for n in chunk_visits)
+    zero = (resident_zeroing(s, seq_len=seq_len, block_q=bq, head_dim=head_dim)
+            if library.startswith("flashlab") and k.role == "fused" else 0)
     cycles = tpu_schedule.kernel_cycles(s, steps=steps, tiles=tiles, rows=rows,
-                                        partial=partial, partial_chunks=partial_chunks)
+                                        partial=partial, partial_chunks=partial_chunks,
+                                        once=batch * heads if zero else 0, once_cycles=zero)
     hz, peak, _ = chip_clock(chip)
     flops = attention_flops(batch, heads, seq_len, seq_len, head_dim, causal) * MATMULS[k.role] / 2
     r = dict(chip=chip, library=library, kernel=k.role, blocks=mode, block_q=bq, block_k=bk,
@@ -202,6 +221,7 @@ def _row(k: tpu_dump.KernelDump, blocks, *, chip, library, mode, batch, seq_len,
              tiles=tiles, rows=rows, est_cycles=cycles, flops=flops,
              partial_tiles=partial, partial_chunks=partial_chunks,
              partial_overhead_cycles=s.partial_overhead_cycles, chunk_cycles=s.chunk_cycles,
+             once_per_head_cycles=zero,
              est_ms=cycles / hz * 1e3 if hz else None,
              floor_ms=flops / peak * 1e3 if peak else None,
              op_mix=s.op_mix, unit_busy=s.unit_busy, unit_capacity=s.unit_capacity)
@@ -225,7 +245,7 @@ def measure(*, chips, libraries=LIBRARIES, modes=("default", "equal"), block=512
     modes = list(modes) + [("sweep", tuple(p)) for p in sweep]
     jobs = [(c, lib, m, bwd) for c in chips for lib in libraries for m in modes
             for bwd in (False, True) if (bwd and set(BACKWARD_ROLES) & set(kernels))
-            or (not bwd and "forward" in kernels and lib != "splash_fused")]
+            or (not bwd and "forward" in kernels and lib not in BACKWARD_VARIANTS)]
     bar = None
     if progress:
         try:

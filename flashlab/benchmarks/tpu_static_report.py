@@ -9,12 +9,15 @@ from pathlib import Path
 
 __all__ = ["LIBRARIES", "MATMULS", "ROLE_LABEL", "TARGETS", "update_rows", "best_blocks",
            "target_table", "header", "table", "training_step_table", "stored_backward_before",
-           "backward_rows", "OTHERS", "BACKWARD_ROLES",
+           "backward_rows", "OTHERS", "BACKWARD_ROLES", "BACKWARD_VARIANTS",
            "before_after_table"]
 
-#: ``splash_fused``: splash with ``use_fused_bwd_kernel`` (its backward only; its forward is
-#: splash's). In the backward's comparisons it counts as splash (:func:`backward_rows`).
-LIBRARIES = ("flashlab", "splash", "jax_pallas_flash", "splash_fused")
+#: Backward variants, measured for the backward only (their forward is their library's):
+#: ``splash_fused``, splash with ``use_fused_bwd_kernel``; ``flashlab_split``, flashlab with
+#: ``backward="split"`` (``flashlab`` runs ``"auto"``: the fused kernel wherever it fits). In
+#: the backward's comparisons each counts as its library (:func:`backward_rows`).
+BACKWARD_VARIANTS = {"splash_fused": "splash", "flashlab_split": "flashlab"}
+LIBRARIES = ("flashlab", "splash", "jax_pallas_flash") + tuple(BACKWARD_VARIANTS)
 OTHERS = ("splash", "jax_pallas_flash")         # what flashlab is set against
 #: matmuls of one tile, per kernel; "fused": a whole backward in one kernel (flashlab's, or
 #: splash's fused dK/dV kernel, which also writes dQ)
@@ -165,7 +168,8 @@ def table(rows) -> str:
     # Splash's estimate per (chip, kernel, blocks, block sizes) among these rows: a row stored
     # by --update from a run without splash has no ratio of its own.
     splash = {(r["chip"], r["kernel"], r["blocks"], r["block_q"], r["block_k"]): r["est_cycles"]
-              for r in rows if r.get("library") == "splash" and r.get("est_cycles")}
+              for r in rows if r.get("library") in ("splash", "splash_fused")
+              and r.get("est_cycles")}
     for r in rows:
         left = (f"{r['chip']:4} {ROLE_LABEL[r['kernel']]:6} {r['blocks']:7} "
                 f"{r['library']:17}")
@@ -188,15 +192,16 @@ def table(rows) -> str:
 def backward_rows(rows) -> list:
     """One row per whole backward (``kernel="backward"``): a library's backward kernels of
     one (chip, blocks, block pair, shape) summed, the split's dQ + dK/dV (``option="split"``)
-    or one fused kernel (``option="fused"``). ``splash_fused`` rows count as splash's: the
-    fused backward is one of splash's options, as it is one of ours. ``est_cycles``,
+    or one fused kernel (``option="fused"``). A variant's rows count as its library's
+    (:data:`BACKWARD_VARIANTS`): the fused backward is one of splash's options, the split one
+    of ours. ``est_cycles``,
     ``est_ms``, ``floor_ms`` and ``flops`` are the sums; ``parts`` the rows summed."""
     by = {}
     for r in rows:
         if (r.get("kernel") in BACKWARD_ROLES and "error" not in r
                 and r.get("est_cycles") is not None):
             fused = r["kernel"] == "fused"
-            lib = "splash" if r["library"] == "splash_fused" else r["library"]
+            lib = BACKWARD_VARIANTS.get(r["library"], r["library"])
             k = (r["chip"], lib, r["blocks"], r["block_q"], r["block_k"], r.get("batch"),
                  r.get("heads"), r.get("seq_len"), r.get("head_dim"), r.get("causal"), fused)
             by.setdefault(k, {})[r["kernel"]] = r

@@ -17,8 +17,8 @@ STORED = Path(__file__).resolve().parent.parent / "data" / "tpu_static.json"
 #: run per shape: ``stored(STORED_SHAPES)``; rows carry their shape (``tpu_static_report.shape_of``).
 STORED_SHAPES = STORED.parent / "tpu_static_shapes.json"
 KERNELS = ("forward", "dq", "dkdv")     # the kernels of one training step's attention
-#: The libraries that are backends (``splash_fused``, splash with its fused backward, is a
-#: bench variant, not what the splash backend runs).
+#: The libraries that are backends (``splash_fused`` and ``flashlab_split``, backward variants
+#: of the bench, are not what the backends run by default).
 BACKENDS = ("flashlab", "splash", "jax_pallas_flash")
 
 
@@ -37,8 +37,8 @@ def static_ranking(chip: str, *, blocks: str = "default", path=None):
     rows for ``chip``.
 
     ``est_ms`` sums forward, dQ and dK/dV (one training step's attention) where a library has
-    all three rows at ``blocks``, else the forward alone (``kernels`` says which); a fused
-    backward row counts as dQ and dK/dV together. Default
+    all three rows at ``blocks`` (forward and its fused backward kernel, where the library's
+    default backward is fused), else the forward alone (``kernels`` says which). Default
     blocks: what ``attention(backend=...)`` runs for each library. ``source`` names the file,
     shape, commit and versions the figures come from.
     """
@@ -51,15 +51,17 @@ def static_ranking(chip: str, *, blocks: str = "default", path=None):
         if (r.get("chip") == chip and r.get("blocks") == blocks and "error" not in r
                 and r.get("est_ms") is not None and r["library"] in BACKENDS):
             by.setdefault(r["library"], {})[r["kernel"]] = r["est_ms"]
-    for k in by.values():          # a fused backward: one kernel for dQ, dK and dV
-        if "fused" in k:
-            k["dq"], k["dkdv"] = k.pop("fused"), 0.0
     if not by:
         return [], f"the stored static run ({STORED.name}) has no {blocks}-block rows for {chip}"
-    full = all(set(KERNELS) <= set(k) for k in by.values())
-    kernels = KERNELS if full else ("forward",)
-    ranked = sorted(((lib, sum(k[n] for n in kernels), kernels) for lib, k in by.items()
-                     if all(n in k for n in kernels)), key=lambda t: t[1])
+
+    def step(k):              # (kernels, est): a fused backward is one kernel for dQ, dK, dV
+        for kernels in (("forward", "fused"), KERNELS):
+            if all(n in k for n in kernels):
+                return kernels, sum(k[n] for n in kernels)
+        return None
+    full = all(step(k) is not None for k in by.values())
+    ranked = sorted(((lib, *step(k)[::-1]) if full else (lib, k["forward"], ("forward",))
+                     for lib, k in by.items() if full or "forward" in k), key=lambda t: t[1])
     a = doc.get("args", {})
     v = doc.get("versions", {})
     src = (f"{STORED.name}: static schedule, B={a.get('batch')} T={a.get('seq_len')} "

@@ -114,6 +114,10 @@ class TileSchedule:
     # cycles outside its chunks, and the mean cycles of one chunk there; 0 without one.
     partial_overhead_cycles: int = 0
     chunk_cycles: float = 0.0
+    # (cycles, vector stores) of each region in init_cycles: a kernel whose init holds a
+    # region that runs less often than per row (the fused backward's dQ zeroing, once per
+    # (batch, kv head)) is priced with kernel_cycles(..., once=, once_cycles=)
+    init_regions: list = dataclasses.field(default_factory=list)
     tile_util: list = dataclasses.field(default_factory=list, repr=False)  # table rows of the tile
 
     @property
@@ -364,6 +368,9 @@ def analyze(packed_path, util_path=None, kernel: str | None = None) -> TileSched
         partial_overhead_cycles=(partial_cycles - sum(r.cycles for r in chunks)
                                  if partial is not None else 0),
         chunk_cycles=chunk_cycles,
+        init_regions=[(r.cycles, sum(unit_of(o) == "store" for b in bundles[r.branch + 1:r.target]
+                                     for o in b.opcodes))
+                      for r in sib if r.target <= tile.branch],
         outside_loop_cycles=len(bundles) - loop_cycles, num_mxu=caps["MXU"],
         mxu_busy_cycles=sum(busy[i] for i in in_tile),
         unit_busy={c: sum(rows[i][k] for i in in_tile) for k, c in enumerate(cols)},
@@ -372,14 +379,16 @@ def analyze(packed_path, util_path=None, kernel: str | None = None) -> TileSched
 
 
 def kernel_cycles(s: TileSchedule, *, steps: int, tiles: int, rows: int, partial: int = 0,
-                  partial_chunks: int = 0) -> int:
+                  partial_chunks: int = 0, once: int = 0, once_cycles: int = 0) -> int:
     """Whole-kernel static cycles: ``steps x per-step + tiles x tile + rows x (init +
     finalize) + prologue/epilogue``. ``steps``: grid steps; ``tiles``: steps whose tile runs
     (visible blocks); ``rows``: runs of init/finalize (the grid without its innermost axis).
     ``partial`` of the tiles take the forward's partial path instead, running
-    ``partial_chunks`` row chunks in all (:meth:`ForwardConfig.chunk_visits`)."""
+    ``partial_chunks`` row chunks in all (:meth:`ForwardConfig.chunk_visits`). ``once``: runs
+    of an init region of ``once_cycles`` (one of :attr:`TileSchedule.init_regions`) that runs
+    that many times instead of ``rows``."""
     cycles = (s.outside_loop_cycles + steps * s.step_cycles + tiles * s.tile_cycles
-              + rows * (s.init_cycles + s.finalize_cycles))
+              + rows * (s.init_cycles + s.finalize_cycles) - (rows - once) * once_cycles)
     if partial:
         cycles += (partial * (s.partial_overhead_cycles - s.tile_cycles)
                    + round(partial_chunks * s.chunk_cycles))
