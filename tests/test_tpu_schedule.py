@@ -275,3 +275,15 @@ def test_the_fused_backwards_dq_zeroing_is_priced_once_per_head():
     assert bts.resident_zeroing(s, seq_len=16384, block_q=1024, head_dim=128) == 0
     c = ts.kernel_cycles(s, steps=100, tiles=50, rows=64, once=2, once_cycles=zero)
     assert c == 100 + 500 + 64 * 25 + 2 * 1000
+
+
+def test_fused_vs_split_table_reads_both_backwards_at_one_pair():
+    from flashlab.benchmarks import tpu_static_report as rep
+    base = dict(chip="v5e", blocks="sweep", block_q=1024, block_k=1024, batch=2, heads=16,
+                seq_len=8192, head_dim=128, causal=True, step_cycles=1, name="k", flops=1,
+                floor_ms=1.0)
+    rows = [dict(base, library=lib, kernel=k, tile_cycles=t, est_cycles=c, est_ms=c / 10)
+            for lib, k, t, c in [("flashlab_split", "dq", 6, 30), ("flashlab_split", "dkdv", 8, 40),
+                                 ("flashlab", "fused", 10, 50), ("splash_fused", "fused", 11, 55)]]
+    (line,) = rep.fused_vs_split_table(rows).splitlines()[1:]
+    assert line.split() == ["v5e", "14", "10", "7.00", "5.00", "0.71", "5.50", "(fused)"]

@@ -10,6 +10,7 @@ from pathlib import Path
 __all__ = ["LIBRARIES", "MATMULS", "ROLE_LABEL", "TARGETS", "update_rows", "best_blocks",
            "target_table", "header", "table", "training_step_table", "stored_backward_before",
            "backward_rows", "OTHERS", "BACKWARD_ROLES", "BACKWARD_VARIANTS",
+           "fused_vs_split_table",
            "before_after_table"]
 
 #: Backward variants, measured for the backward only (their forward is their library's):
@@ -321,11 +322,16 @@ def stored_forward_before(path=None) -> dict:
 
 
 def before_after_table(before_rows, after_rows, *, kernels=("dq", "dkdv"),
-                       blocks: str = "equal") -> str:
+                       blocks: str = "equal", after_library: str = "flashlab") -> str:
     """flashlab's kernels before and after, per chip, at equal blocks (``blocks="equal"``) or
     at its fastest measured blocks (``"best"``): tile and per-step cycles, whole-kernel
     estimate, and the ratio to the better of splash and jax's kernel after (same blocks
-    rule). Rows of one shape: filter ``before_rows``/``after_rows`` by :func:`shape_of`."""
+    rule). Rows of one shape: filter ``before_rows``/``after_rows`` by :func:`shape_of`.
+    ``after_library``: the after rows' library (``"flashlab_split"``: the split backward's
+    kernels, now that flashlab's default backward is fused where it fits)."""
+    after_rows = [dict(r, library="flashlab") if r.get("library") == after_library else r
+                  for r in after_rows if r.get("library") != "flashlab"
+                  or after_library == "flashlab"]
     def eq(rows, lib, chip, kernel):
         rs = [r for r in rows if (r["library"], r["chip"], r["kernel"]) == (lib, chip, kernel)
               and (blocks == "best" or r["blocks"] == "equal")
@@ -349,4 +355,27 @@ def before_after_table(before_rows, after_rows, *, kernels=("dq", "dkdv"),
             out.append(f"{chip:4} {name:6} {b['tile_cycles']:>9} > {a['tile_cycles']:<8} "
                        f"{b['step_cycles']:>9} > {a['step_cycles']:<8} "
                        f"{b['est_ms']:>10.2f} > {a['est_ms']:<9.2f} {ratio:>12}")
+    return "\n".join(out)
+
+
+def fused_vs_split_table(rows, *, block=(1024, 1024)) -> str:
+    """Per chip at one block pair (sweep or equal rows): flashlab's split backward (dK/dV +
+    dQ tiles, whole estimate) against its fused one, and splash's best backward at that pair
+    (split or fused); the fused kernel's tile is one kernel's, the split's the sum of two."""
+    bw = [r for r in backward_rows(rows) if (r["block_q"], r["block_k"]) == tuple(block)]
+    out = [f"{'chip':4} {'split tiles':>12} {'fused tile':>11} {'split ms':>9} {'fused ms':>9} "
+           f"{'fused/split':>11} {'splash best ms':>15}"]
+    for chip in dict.fromkeys(r["chip"] for r in bw):
+        def one(lib, option):
+            rs = [r for r in bw if (r["chip"], r["library"], r["option"]) == (chip, lib, option)]
+            return min(rs, key=lambda r: r["est_cycles"]) if rs else None
+        sp, fu = one("flashlab", "split"), one("flashlab", "fused")
+        ref = [r for r in (one("splash", "split"), one("splash", "fused")) if r is not None]
+        if sp is None or fu is None:
+            continue
+        best = min(ref, key=lambda r: r["est_cycles"]) if ref else None
+        ref_s = f"{best['est_ms']:.2f} ({best['option']})" if best else "-"
+        out.append(f"{chip:4} {sp['tile_cycles']:>12} {fu['tile_cycles']:>11} "
+                   f"{sp['est_ms']:>9.2f} {fu['est_ms']:>9.2f} "
+                   f"{fu['est_cycles'] / sp['est_cycles']:>11.2f} {ref_s:>15}")
     return "\n".join(out)

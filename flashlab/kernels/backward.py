@@ -7,8 +7,12 @@ With ``P = exp(S - lse)`` recomputed from Q, K and the forward's ``lse`` (never 
 
 with ``dS' = dS ∘ (1 − tanh²)`` under a soft cap (``dS' = dS`` without).
 
-Two kernels, split as in FlashAttention-2 (the choice is argued in chapter 07):
+One kernel where dQ fits VMEM, else two, split as in FlashAttention-2 (chapter 07 argues
+both; :func:`backward_grid.resolve_backward` picks):
 
+* **fused kernel** (the dK/dV kernel with ``fused``): the dK/dV kernel below, whose steps also
+  add ``dS'_ij K_j`` into a float32 dQ ``[G, T, d]`` that stays resident in VMEM for the whole
+  (batch, kv head) and is written once: five matmuls per tile instead of seven.
 * **dK/dV kernel**, grid ``(batch, kv_heads, T_c, G, T_r)`` (dense): kv block ``j`` of kv head ``hk``
   stays in VMEM while the ``G`` query heads sharing it (GQA) and their q blocks ``i`` stream
   past; dK_j, dV_j accumulate in float32 VMEM scratch and are written once. The last two axes
@@ -18,7 +22,8 @@ Two kernels, split as in FlashAttention-2 (the choice is argued in chapter 07):
 * **dQ kernel**, grid ``(batch, heads, T_r, T_c)``, the forward's: dQ_i accumulates over the
   kv axis ("arbitrary"). With a full-shape bias ``[B, N, T, S]`` it also writes dS: that is
   dBias.
-* **dBias kernel**, only for a bias broadcast over batch and/or heads: grid (bias axes,
+* **dBias kernel**, for a bias broadcast over batch and/or heads (and any differentiated bias
+  under the fused kernel, which has no dQ kernel to write dS): grid (bias axes,
   ``T_r``, ``T_c``, broadcast axes), dBias accumulated in its float32 output block over the
   innermost broadcast axes (:func:`dbias_grid_spec`): no ``[B, N, T, S]``
   array.
@@ -385,7 +390,9 @@ def flash_attention_backward(query, key, value, spec: AttentionSpec, out, lse, d
     :func:`forward.flash_attention_forward`; ``d_out`` is the cotangent of ``out``. Returns
     gradients in the public layout and the inputs' dtypes; ``dbias`` has the bias's shape
     (summed over its broadcast dims) or is ``None`` without a bias. ``fused``: one kernel for
-    dQ, dK and dV instead of two (:func:`dkdv_grid_spec`; not the default, see chapter 07).
+    dQ, dK and dV instead of two (:func:`dkdv_grid_spec`; ``ValueError`` where its resident
+    dQ does not fit VMEM). ``flash_attention(..., backward="auto")`` picks for you
+    (:func:`backward_grid.resolve_backward`; chapter 07).
     """
     if not isinstance(fused, bool):
         raise TypeError(f"fused: expected a bool, got {fused!r}")
