@@ -24,6 +24,7 @@ from pathlib import Path
 
 from flashlab.benchmarks.tpu_static_report import (
     BACKWARD_ROLES, BACKWARD_VARIANTS, LIBRARIES, MATMULS, header, table, update_rows)
+from flashlab.benchmarks.tpu_static_builders import build   # the child's entry point
 from flashlab.instruments import tpu_dump
 
 __all__ = ["build", "measure", "chip_clock", "main", "parser"]
@@ -32,117 +33,6 @@ __all__ = ["build", "measure", "chip_clock", "main", "parser"]
 # jax, libtpu and flashlab commit produced it. Regenerate with the command in its "args".
 
 TIMELINE_UNITS = ("MXU", "XLU", "VALU", "VPOP", "EUP", "VLOAD", "VSTORE", "SALU")
-
-
-def _flashlab_split(chip, backward, causal, block, shape, dtype):
-    """flashlab with ``backward="split"`` (its dK/dV and dQ kernels), where ``flashlab`` runs
-    what ``backward="auto"`` picks (the fused kernel wherever its resident dQ fits)."""
-    return _flashlab(chip, backward, causal, block, shape, dtype, which="split")
-
-
-def _flashlab(chip, backward, causal, block, shape, dtype, which="auto"):
-    import jax
-    from flashlab.contract import masks
-    from flashlab.kernels import backward_grid
-    from flashlab.kernels import forward_config
-    from flashlab.kernels import flash
-    B, T, H, d = shape
-    x = jax.ShapeDtypeStruct((B, T, H, d), dtype)
-    bq, bk = block if block else (None, None)
-    got = {}
-
-    def probe(q, k, v):                      # the blocks as the kernels resolve them
-        q, k, v, spec = masks.validate(q, k, v, None, None, is_causal=causal)
-        f = forward_config.make_config(spec, block_q=bq, block_k=bk, chip=chip)
-        got["fwd"] = (f.block_q, f.block_k)
-        got["chunk_visits"] = f.chunk_visits()
-        c, got["fused"] = backward_grid.resolve_backward(spec, which, block_q=bq, block_k=bk,
-                                                         chip=chip)
-        got["bwd"] = [c.block_q, c.block_k]
-        return q
-    jax.eval_shape(probe, x, x, x)
-    fb = got["fwd"]
-
-    def f(q, k, v):      # the blocks a user gets: passing fb would size the backward by them
-        return flash.flash_attention(q, k, v, is_causal=causal, block_q=bq, block_k=bk,
-                                     interpret=False, chip=chip, backward=which)
-    info = {"forward": list(fb), "dq": got["bwd"], "dkdv": got["bwd"], "fused": got["fused"],
-            "chunk_visits": list(got["chunk_visits"])}
-    return f, (x, x, x), info
-
-
-def _splash_fused(chip, backward, causal, block, shape, dtype):
-    """splash with its own fused backward (``use_fused_bwd_kernel``): one dK/dV kernel that
-    also writes a dQ partial per kv block in the inputs' dtype, ``[T_c, B, H, T, d]`` in HBM,
-    summed by XLA after (that sum and those bytes are not on the static schedule)."""
-    return _splash(chip, backward, causal, block, shape, dtype, fused=True)
-
-
-def _splash(chip, backward, causal, block, shape, dtype, fused=False):
-    import jax
-    from flashlab.compat.pallas import official_splash_attention
-    sa = official_splash_attention()
-    B, T, H, d = shape
-    x = jax.ShapeDtypeStruct((B, H, T, d), dtype)
-    one = sa.CausalMask((T, T)) if causal else sa.FullMask((T, T))
-    bq, bk = block if block else (None, None)
-    bq, bk = block if block else (128, 128)        # splash's defaults: 128 everywhere
-    bs = sa.BlockSizes(block_q=bq, block_kv=bk, block_kv_compute=bk, block_q_dkv=bq,
-                       block_kv_dkv=bk, block_kv_dkv_compute=bk, use_fused_bwd_kernel=fused,
-                       **({} if fused else dict(block_q_dq=bq, block_kv_dq=bk)))
-    if not block and not fused:
-        assert bs == sa.BlockSizes.get_default(), "splash's defaults moved: update the bench"
-    kernel = sa.make_splash_mha(sa.MultiHeadMask([one] * H), block_sizes=bs, head_shards=1,
-                                q_seq_shards=1)
-    info = {"forward": [bs.block_q, bs.block_kv], "dq": [bs.block_q_dq, bs.block_kv_dq],
-            "dkdv": [bs.block_q_dkv, bs.block_kv_dkv], "fused": fused}
-    return jax.vmap(kernel), (x, x, x), info
-
-
-def _jax_flash(chip, backward, causal, block, shape, dtype):
-    import jax
-    from flashlab.compat.pallas import official_flash_attention
-    fa = official_flash_attention()
-    B, T, H, d = shape
-    x = jax.ShapeDtypeStruct((B, H, T, d), dtype)
-    q, b = block if block else (None, None)
-    bs = fa.BlockSizes.get_default(B, H, T, T, d) if not b else fa.BlockSizes(
-        block_q=q, block_k_major=b, block_k=b, block_b=1, block_q_major_dkv=q,
-        block_k_major_dkv=b, block_k_dkv=b, block_q_dkv=q, block_k_major_dq=b, block_k_dq=b,
-        block_q_dq=q)
-
-    def f(q, k, v):
-        return fa.flash_attention(q, k, v, causal=causal, sm_scale=d ** -0.5, block_sizes=bs)
-    info = {"forward": [bs.block_q, bs.block_k_major], "dq": [bs.block_q_dq, bs.block_k_major_dq],
-            "dkdv": [bs.block_q_major_dkv, bs.block_k_major_dkv]}
-    return f, (x, x, x), info
-
-
-_BUILDERS = {"flashlab": _flashlab, "splash": _splash, "jax_pallas_flash": _jax_flash,
-             "splash_fused": _splash_fused, "flashlab_split": _flashlab_split}
-
-
-def build(*, chip: str, library: str, backward: bool, batch: int, seq_len: int, heads: int,
-          head_dim: int, dtype: str, causal: bool, block: int | None):
-    """``(fn, args, info)`` for :func:`flashlab.instruments.tpu_dump.schedules` (runs in its
-    child).
-
-    ``fn`` is the library's forward on ``[batch, seq, heads, head_dim]`` (flashlab) or
-    ``[batch, heads, seq, head_dim]`` (the official kernels), or ``jax.grad`` of its sum
-    w.r.t. q, k, v when ``backward``; ``block``: ``None`` for the library's default blocks,
-    an int for ``block x block`` everywhere, or a pair ``(block_q, block_k)``.
-    ``info["blocks"]``: (block_q, block_k) per kernel.
-    """
-    import jax
-    import jax.numpy as jnp
-    if isinstance(block, int):
-        block = (block, block)
-    f, args, blocks = _BUILDERS[library](chip, backward, causal, block,
-                                         (batch, seq_len, heads, head_dim), jnp.dtype(dtype))
-    if backward:
-        g = jax.grad(lambda q, k, v: f(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))
-        return g, args, {"blocks": blocks}
-    return f, args, {"blocks": blocks}
 
 
 def chip_clock(chip: str) -> tuple[float | None, float | None, str]:
