@@ -286,4 +286,5 @@ def test_fused_vs_split_table_reads_both_backwards_at_one_pair():
             for lib, k, t, c in [("flashlab_split", "dq", 6, 30), ("flashlab_split", "dkdv", 8, 40),
                                  ("flashlab", "fused", 10, 50), ("splash_fused", "fused", 11, 55)]]
     (line,) = rep.fused_vs_split_table(rows).splitlines()[1:]
-    assert line.split() == ["v5e", "14", "10", "7.00", "5.00", "0.71", "5.50", "(fused)"]
+    assert line.split() == ["v5e", "14", "10", "7.00", "5.00", "0.71", "5.50", "(fused)",
+                            "512", "MiB"]      # 8 kv blocks x [2, 16, 8192, 128] bf16

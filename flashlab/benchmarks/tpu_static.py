@@ -76,9 +76,10 @@ def resident_zeroing(s, *, seq_len: int, block_q: int, head_dim: int) -> int:
     """Cycles of the fused backward's dQ zeroing, the init region that stores the whole
     resident ``[T_pad, d]`` float32 block (``T_pad / 8`` vregs per 128 lanes; the bench runs
     one query head per kv head), or 0 where no init region stores that much. It runs once per
-    (batch, kv head), not once per kv row as the rest of the init."""
+    (batch, kv head), not once per kv row as the rest of the init. (The compiler may fold a
+    store or two elsewhere: 7x at T = 2048 stores 254 of the 256 vregs in the region.)"""
     need = -(-seq_len // block_q) * block_q // 8 * -(-head_dim // 128)
-    big = [c for c, stores in getattr(s, "init_regions", ()) if stores >= need]
+    big = [c for c, stores in getattr(s, "init_regions", ()) if stores >= 0.9 * need]
     return max(big) if big else 0
 
 

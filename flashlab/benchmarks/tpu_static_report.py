@@ -10,7 +10,7 @@ from pathlib import Path
 __all__ = ["LIBRARIES", "MATMULS", "ROLE_LABEL", "TARGETS", "update_rows", "best_blocks",
            "target_table", "header", "table", "training_step_table", "stored_backward_before",
            "backward_rows", "OTHERS", "BACKWARD_ROLES", "BACKWARD_VARIANTS",
-           "fused_vs_split_table",
+           "fused_vs_split_table", "splash_dq_partial_bytes",
            "before_after_table"]
 
 #: Backward variants, measured for the backward only (their forward is their library's):
@@ -358,13 +358,22 @@ def before_after_table(before_rows, after_rows, *, kernels=("dq", "dkdv"),
     return "\n".join(out)
 
 
+def splash_dq_partial_bytes(r, itemsize: int = 2) -> int:
+    """HBM bytes of the dQ partials splash's fused backward writes (and XLA reads back to sum
+    them): one ``[B, H, T, d]`` copy in the inputs' dtype per kv block, which the static
+    schedule does not see. ``r``: a row with its shape and ``block_k``."""
+    t_c = -(-r["seq_len"] // r["block_k"])
+    return t_c * r["batch"] * r["heads"] * r["seq_len"] * r["head_dim"] * itemsize
+
+
 def fused_vs_split_table(rows, *, block=(1024, 1024)) -> str:
     """Per chip at one block pair (sweep or equal rows): flashlab's split backward (dK/dV +
     dQ tiles, whole estimate) against its fused one, and splash's best backward at that pair
-    (split or fused); the fused kernel's tile is one kernel's, the split's the sum of two."""
+    (split or fused, with the dQ partials its fused one keeps in HBM: bf16, one copy of dQ per
+    kv block); the fused kernel's tile is one kernel's, the split's the sum of two."""
     bw = [r for r in backward_rows(rows) if (r["block_q"], r["block_k"]) == tuple(block)]
     out = [f"{'chip':4} {'split tiles':>12} {'fused tile':>11} {'split ms':>9} {'fused ms':>9} "
-           f"{'fused/split':>11} {'splash best ms':>15}"]
+           f"{'fused/split':>11} {'splash best ms':>15} {'its dQ partials':>15}"]
     for chip in dict.fromkeys(r["chip"] for r in bw):
         def one(lib, option):
             rs = [r for r in bw if (r["chip"], r["library"], r["option"]) == (chip, lib, option)]
@@ -375,7 +384,9 @@ def fused_vs_split_table(rows, *, block=(1024, 1024)) -> str:
             continue
         best = min(ref, key=lambda r: r["est_cycles"]) if ref else None
         ref_s = f"{best['est_ms']:.2f} ({best['option']})" if best else "-"
+        part = (f"{splash_dq_partial_bytes(best) / 2**20:.0f} MiB"
+                if best and best["option"] == "fused" else "0")
         out.append(f"{chip:4} {sp['tile_cycles']:>12} {fu['tile_cycles']:>11} "
                    f"{sp['est_ms']:>9.2f} {fu['est_ms']:>9.2f} "
-                   f"{fu['est_cycles'] / sp['est_cycles']:>11.2f} {ref_s:>15}")
+                   f"{fu['est_cycles'] / sp['est_cycles']:>11.2f} {ref_s:>15} {part:>15}")
     return "\n".join(out)
