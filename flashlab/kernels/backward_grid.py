@@ -40,11 +40,11 @@ LSE_ROW, D_ROW = 0, 1
 LOG2E = online_softmax.LOG2E       # lse is stored (and P computed) in log2 units
 
 
-#: The fused backward against the split one, whole backward on the static schedule (``python
-#: -m flashlab.benchmarks.backward_fused``, B=2 T=8192 H=16 d=128 bf16 causal, jax 0.12.0.1 /
-#: libtpu 0.0.50.1): 0.71x at 1024x1024 on v5e, 0.72x on v5p, v6e and 7x; on v4, whose 16 MiB
-#: of VMEM holds the resident dQ only beside smaller tiles, 0.70x at 512x1024 (0.76x against
-#: the split at its best, 1024x1024). So ``"auto"`` runs it wherever it fits.
+#: The fused backward against the split one, whole backward on the static schedule (the stored
+#: ``bench tpu-static`` run, B=2 T=8192 H=16 d=128 bf16 causal, jax 0.12.0.1 / libtpu
+#: 0.0.50.1): 0.70x at 1024x1024 on v5e and v5p, 0.71x on v6e and 7x; on v4, whose 16 MiB of
+#: VMEM holds the resident dQ only beside smaller tiles, 0.69x at 512x1024 (0.75x against the
+#: split at its best, 1024x1024). So ``"auto"`` runs it wherever it fits.
 BACKWARDS = ("auto", "split", "fused")
 
 
@@ -103,7 +103,7 @@ def resolve_backward(spec: AttentionSpec, backward: str = "auto", *, block_q=Non
     the backward's blocks (the ones given, else the measured table's,
     :func:`blocks.choose_backward_block_sizes`, which ranks each pair by the backward that
     runs there), else split: the fused backward is faster on every chip where it fits
-    (0.70-0.72x the split's static estimate), and the choice never trades tiles for it.
+    (0.69-0.71x the split's static estimate), and the choice never trades tiles for it.
     """
     if not isinstance(backward, str) or backward not in BACKWARDS:
         raise ValueError(f"backward: expected one of {BACKWARDS}, got {backward!r}")
