@@ -218,8 +218,11 @@ def _commit() -> str:
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                              text=True, cwd=Path(__file__).parent, timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, cwd=Path(__file__).parent,
+        # "+dirty": code changed since the commit; the stored runs under flashlab/data are
+        # what --update rewrites between the commands of one measuring session, not code
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--",
+                                ".", ":(exclude)flashlab/data"],
+                               capture_output=True, text=True, cwd=Path(__file__).parent.parent.parent,
                                timeout=10).stdout.strip()
         return out.stdout.strip() + ("+dirty" if dirty else "") if out.returncode == 0 else "?"
     except (OSError, subprocess.SubprocessError):
