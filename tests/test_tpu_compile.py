@@ -222,7 +222,8 @@ _ESTIMATE_CASES = [
 @needs_libtpu
 @pytest.mark.tpu_compile
 @pytest.mark.parametrize("chip, bq, bk, opts", _ESTIMATE_CASES,
-                         ids=[f"{c}-{q}x{k}-{'-'.join(f'{n}{v}' if n == 'T' else n for n, v in o.items()) or 'plain'}"
+                         ids=[f"{c}-{q}x{k}-" + ("-".join(f"{n}{v}" if n == "T" else n
+                                                           for n, v in o.items()) or "plain")
                               for c, q, k, o in _ESTIMATE_CASES])
 def test_the_backward_vmem_estimate_bounds_what_mosaic_allocates(monkeypatch, chip, bq, bk,
                                                                     opts):

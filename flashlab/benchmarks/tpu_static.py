@@ -2,7 +2,8 @@
 side on the TPU compiler's own static schedule, for every TPU generation, without a TPU.
 
 For each chip, library and block setting it compiles the forward (inference) and the
-gradient (``jax.grad``: the dQ and dK/dV kernels) with libtpu's schedule dumps on
+gradient (``jax.grad``: the dQ and dK/dV kernels, or one fused backward kernel; what each
+library builds: :mod:`flashlab.benchmarks.tpu_static_builders`) with libtpu's schedule dumps on
 (:mod:`flashlab.instruments.tpu_dump`), reads every kernel's schedule
 (:mod:`flashlab.instruments.tpu_schedule`), and estimates the whole kernel: ``grid steps x per-step
 cycles + visible tiles x tile cycles + rows x (init + finalize) + prologue``. That is set against
@@ -222,8 +223,8 @@ def _commit() -> str:
         # what --update rewrites between the commands of one measuring session, not code
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--",
                                 ".", ":(exclude)flashlab/data"],
-                               capture_output=True, text=True, cwd=Path(__file__).parent.parent.parent,
-                               timeout=10).stdout.strip()
+                               capture_output=True, text=True,
+                               cwd=Path(__file__).parent.parent.parent, timeout=10).stdout.strip()
         return out.stdout.strip() + ("+dirty" if dirty else "") if out.returncode == 0 else "?"
     except (OSError, subprocess.SubprocessError):
         return "?"

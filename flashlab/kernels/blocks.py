@@ -268,8 +268,8 @@ def backward_vmem_bytes(block_q: int, block_k: int, head_dim: int, dtype, *,
     kernel reads ``stats_t [8, block_q]`` float32 and segment ids ``[8, block_q]``,
     ``[block_k, 128]`` int32 and writes dK, dV ``[block_k, d]`` (``fused``: also the resident
     float32 dQ of the kv head's ``group`` query heads over the whole padded ``q_len``,
-    ``[group, T, d]``, in one buffer, :func:`backward_grid.dkdv_grid_spec`). Scratch counts once: the float32
-    accumulators (dQ; dK and dV). On top: Mosaic's spill slots, :data:`BACKWARD_SPILL_TILES`
+    ``[group, T, d]``, in one buffer, :func:`backward_grid.dkdv_grid_spec`). Scratch counts
+    once: the float32 accumulators (dQ; dK and dV). On top: Mosaic's spill slots, :data:`BACKWARD_SPILL_TILES`
     float32 ``[B_r, B_c]`` tiles, one more with a soft cap (its tanh) or a mask (widened,
     compared), one more for the fused kernel's third matmul. head dims are lane-padded.
     """
