@@ -113,11 +113,10 @@ def resolve_backward(spec: AttentionSpec, backward: str = "auto", *, block_q=Non
     cfg = make_backward_config(spec, **kw)
     if backward == "split":
         return cfg, False
-    if not blk._backward_fits(cfg.block_q, cfg.block_k, spec.head_dim, jnp.dtype(spec.dtype),
-                              cfg.chip, **_vmem_kw(spec, True)):
-        return cfg, False
-    return make_backward_config(spec, block_q=cfg.block_q, block_k=cfg.block_k, chip=chip,
-                                fused=True), True
+    # The fused kernel runs on this very config (the blocks are the config's; only the VMEM
+    # check differs), so it is not built twice.
+    return cfg, blk._backward_fits(cfg.block_q, cfg.block_k, spec.head_dim,
+                                   jnp.dtype(spec.dtype), cfg.chip, **_vmem_kw(spec, True))
 
 
 # ----------------------------------------------------------------------------- grids as data
