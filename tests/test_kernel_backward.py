@@ -203,28 +203,83 @@ def _abstract_spec(T, *, heads=1, kv_heads=1, d=128):
 
 
 def test_auto_backward_is_fused_where_its_resident_dq_fits():
-    """``backward="auto"`` runs the fused kernel on the chips that measured it faster, at the
-    split's own blocks, when its dQ ``[G, T, d]`` float32 (one buffer, ``pl.Buffered(1)``)
-    fits the VMEM limit; else the split. ``"fused"`` where it cannot fit is refused by name."""
-    from flashlab.kernels.backward_grid import resolve_backward
+    """``backward="auto"`` runs the fused kernel at the split's own blocks: its dQ ``[G, T, d]``
+    float32 (one buffer, ``pl.Buffered(1)``) whole where it fits the VMEM limit, else in the
+    fewest query chunks that fit (at most ``MAX_DQ_CHUNKS``), else the split. ``"fused"``
+    where even those cannot fit is refused by name."""
+    from flashlab.kernels.backward_grid import MAX_DQ_CHUNKS, resolve_backward
     cfg, fused = resolve_backward(_abstract_spec(8192), "auto", chip="v5e")
     split, _ = resolve_backward(_abstract_spec(8192), "split", chip="v5e")
-    assert fused and (cfg.block_q, cfg.block_k) == (split.block_q, split.block_k)
+    assert fused == 1 and (cfg.block_q, cfg.block_k) == (split.block_q, split.block_k)
     resident = 8192 * 128 * 4                      # dQ [1, T, d] float32, one buffer
     assert blk.backward_vmem_bytes(1024, 1024, 128, jnp.bfloat16, fused=True, q_len=8192) >= (
         blk.backward_vmem_bytes(1024, 1024, 128, jnp.bfloat16) + resident)
-    assert not resolve_backward(_abstract_spec(8192), "auto", chip="v4",       # 16 MiB
+    partials = 2 * 1024 * (128 + 128) * (4 - 2)    # dK, dV blocks float32, double-buffered
+    assert blk.backward_vmem_bytes(1024, 1024, 128, jnp.bfloat16, fused=True, q_len=8192,
+                                   q_chunks=4) == blk.backward_vmem_bytes(
+        1024, 1024, 128, jnp.bfloat16, fused=True, q_len=8192) - resident * 3 // 4 + partials
+    # v4 (16 MiB): at 1024-blocks not even 8 chunks fit; at 512x1024 the whole dQ does
+    assert not resolve_backward(_abstract_spec(8192), "auto", chip="v4",
                                 block_q=1024, block_k=1024)[1]
     assert resolve_backward(_abstract_spec(8192), "auto", chip="v4", block_q=512,
-                            block_k=1024)[1]
-    assert not resolve_backward(_abstract_spec(262144), "auto", chip="v5e")[1]  # 128 MiB
-    assert not resolve_backward(_abstract_spec(32768, heads=8), "auto", chip="v6e")[1]
+                            block_k=1024)[1] == 1
+    # 128 MiB of dQ on v5e: two chunks of 64; G = 8 query heads per kv head at T = 32768
+    # (128 MiB) on v6e: two chunks; on v4 at 512x512, T = 131072 (64 MiB): eight chunks
+    assert resolve_backward(_abstract_spec(262144), "auto", chip="v5e", block_q=512,
+                            block_k=512)[1] == 2
+    assert resolve_backward(_abstract_spec(32768, heads=8), "auto", chip="v6e")[1] == 2
+    assert resolve_backward(_abstract_spec(131072), "auto", chip="v4", block_q=512,
+                            block_k=512)[1] == MAX_DQ_CHUNKS
     assert not resolve_backward(_abstract_spec(8192), "split", chip="v5e")[1]
     with pytest.raises(ValueError, match=r"backward='fused': q_len=262144 .* MiB of VMEM on "
-                                         r"v5e .* expected backward='split'"):
-        resolve_backward(_abstract_spec(262144), "fused", chip="v5e")
+                                         r"v4 even with its dQ .* in 8 chunks.* expected "
+                                         r"backward='split'"):
+        resolve_backward(_abstract_spec(262144), "fused", chip="v4")
     with pytest.raises(ValueError, match="backward: expected one of"):
         resolve_backward(_abstract_spec(8192), "fast", chip="v5e")
+
+
+@pytest.mark.parametrize("visit,option,interpret", [
+    (True, "causal", "generic"), (False, "causal", "generic"),
+    (False, "everything", "generic"), (True, "causal", "tpu")],
+    ids=["visit-grid", "dense-grid", "dense-everything", "visit-tpu-interpret"])
+def test_fused_backward_in_query_chunks(visit, option, interpret):
+    """The fused kernel with its resident dQ in 2 and 3 query chunks (dK, dV as float32
+    partials, summed after): grid ``(b, hk, c, j, g, i)`` or the chunked visit list, GQA
+    (G = 2), two batch rows and kv heads, T = 330 padded to 384 (three 128-row q blocks),
+    on both grids; with every option at once (bias, mask, segment ids, lengths, window) on
+    the dense grid; on the visit grid in TPU interpret mode (race detector on, uninitialized
+    memory NaN). The float64 oracle's gradients to float32 tolerance."""
+    from flashlab.kernels import backward
+    from flashlab.kernels.backward_grid import dkdv_grid_spec
+    rng = np.random.default_rng(23)
+    B, T, N, K, H = 2, 330, 4, 2, 64
+    q, k, v = random_qkv(rng, B, T, T, N, K, H)
+    kw = ({"is_causal": True} if option == "causal"
+          else mask_kwargs("everything", rng, B, T, T, N))
+    dout = rng.standard_normal((B, T, N, H)).astype(np.float32)
+    q_, k_, v_, spec = validate(*(jnp.asarray(x) for x in (q, k, v)),
+                                *(jnp.asarray(kw[n]) if kw.get(n) is not None else None
+                                  for n in ("bias", "mask")),
+                                **{n: x for n, x in kw.items() if n not in ("bias", "mask")})
+    out, lse = flash_attention_forward(q_, k_, v_, spec, block_q=128, block_k=128,
+                                       interpret=True)
+    cfg = make_backward_config(spec, block_q=128, block_k=128, visit_grid=visit)
+    ref = oracle_grads(q, k, v, dout, kw)
+    scale = max(np.abs(r).max() for r in ref)
+    mode = device.tpu_interpret_params() if interpret == "tpu" else True
+    for n in ((3,) if interpret == "tpu" else (3, 1)):
+        gs = dkdv_grid_spec(cfg, fused=n)
+        assert gs.q_chunks == n and gs.spec("dq").block_shape == (None, 2, 384 // n, H)
+        if n > 1:
+            assert gs.shape("dk").shape == (n, B, K, 384, H)        # float32 partials
+            assert len(gs.grid) == (4 if visit else 6)
+        got = backward._backward(q_, k_, v_, spec, out, lse, jnp.asarray(dout), cfg=cfg,
+                                 interpret=mode, fused=n)
+        for label, g, r in zip(("dq", "dk", "dv", "dbias"), got, ref):
+            assert np.abs(np.asarray(g) - r).max() / scale <= F32_RTOL, (n, label)
+    if interpret == "tpu":
+        assert compat.races_found() is False
 
 
 def test_fused_backward_through_jax_grad():

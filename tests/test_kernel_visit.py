@@ -147,6 +147,35 @@ def test_transposed_visits_are_the_visible_pairs_and_copy_the_dense_grids_blocks
     assert visit.copied_blocks(i.tolist()) == visit.copied_blocks(seq_dense)
 
 
+@pytest.mark.parametrize("q_len,kv_len,bq,bk,causal,window", CASES)
+def test_chunked_transposed_visits_cover_each_chunk_once(q_len, kv_len, bq, bk, causal,
+                                                         window):
+    """The fused backward's list with its dQ in query chunks: chunk after chunk, every kv row
+    once per chunk (opened and closed there, a placeholder in the chunk where no q block of
+    it sees the row), q blocks inside their chunk, and together exactly the unchunked list's
+    visible pairs."""
+    nq, nk = -(-q_len // bq), -(-kv_len // bk)
+    kw = dict(num_q_blocks=nq, num_kv_blocks=nk, q_len=q_len, kv_len=kv_len, block_q=bq,
+              block_k=bk, is_causal=causal, window=window, transposed=True)
+    whole = visit.visit_table(**kw)
+    wj, wi, wf = visit.unpack(whole.astype(np.int64))
+    pairs = {(a, b) for a, b, f in zip(wj.tolist(), wi.tolist(), wf) if not f & visit.EMPTY}
+    for n in (c for c in (2, 3, 4) if nq % c == 0):
+        j, i, flags = visit.unpack(visit.visit_table(**kw, q_chunks=n).astype(np.int64))
+        chunk = i // (nq // n)
+        assert np.all(np.diff(chunk) >= 0)
+        for c in range(n):
+            rows = j[chunk == c]
+            assert sorted(set(rows.tolist())) == list(range(nk)) and np.all(np.diff(rows) >= 0)
+            for r in range(nk):
+                at = np.flatnonzero((chunk == c) & (j == r))
+                assert (flags[at[0]] & visit.FIRST) and (flags[at[-1]] & visit.LAST)
+        assert {(a, b) for a, b, f in zip(j.tolist(), i.tolist(), flags)
+                if not f & visit.EMPTY} == pairs
+    with pytest.raises(ValueError, match="q_chunks"):
+        visit.visit_table(**dict(kw, transposed=False), q_chunks=2)
+
+
 def _backward_on(q, k, v, a, dout, visit_grid, bq=128, bk=128):
     """(dq, dk, dv) of the backward kernels on the visit grid or the dense one."""
     q, k, v, spec = masks.validate(q, k, v, None, None, **a)

@@ -62,46 +62,53 @@ def _visible_tiles(T, bq, bk, causal) -> int:
                                      block_k=bk, is_causal=causal)
 
 
-def init_runs(library: str, role: str, grid, *, batch, heads, seq_len, block_q, block_k
-              ) -> int:
+def init_runs(library: str, role: str, grid, *, batch, heads, seq_len, block_q, block_k,
+              dq_chunks: int = 1) -> int:
     """How often a kernel's init and finalize run: once per step of its grid without the
     innermost (reduction) axis, or, on flashlab's visit grids (``(B, H, n)``; the dK/dV
-    kernel's ``(B, K, n, G)``), once per row of the list: a q block (a kv block for dK/dV)."""
+    kernel's ``(B, K, n, G)``), once per row of the list: a q block (a kv block for dK/dV,
+    once per query chunk of the fused backward, ``dq_chunks``)."""
     kv_rows = role in ("dkdv", "fused")
     if library.startswith("flashlab") and len(grid) == (4 if kv_rows else 3):
-        return batch * heads * -(-seq_len // (block_k if kv_rows else block_q))
+        return batch * heads * -(-seq_len // (block_k if kv_rows else block_q)) * (
+            dq_chunks if role == "fused" else 1)
     return math.prod(grid[:-1])
 
 
-def resident_zeroing(s, *, seq_len: int, block_q: int, head_dim: int) -> int:
+def resident_zeroing(s, *, seq_len: int, block_q: int, head_dim: int, dq_chunks: int = 1
+                     ) -> int:
     """Cycles of the fused backward's dQ zeroing, the init region that stores the whole
-    resident ``[T_pad, d]`` float32 block (``T_pad / 8`` vregs per 128 lanes; the bench runs
-    one query head per kv head), or 0 where no init region stores that much. It runs once per
-    (batch, kv head), not once per kv row as the rest of the init. (The compiler may fold a
-    store or two elsewhere: 7x at T = 2048 stores 254 of the 256 vregs in the region.)"""
-    need = -(-seq_len // block_q) * block_q // 8 * -(-head_dim // 128)
+    resident ``[T_pad / dq_chunks, d]`` float32 block (``T_pad / 8`` vregs per 128 lanes; the
+    bench runs one query head per kv head), or 0 where no init region stores that much. It
+    runs once per (batch, kv head, chunk), not once per kv row as the rest of the init. (The
+    compiler may fold a store or two elsewhere: 7x at T = 2048 stores 254 of the 256 vregs in
+    the region.)"""
+    need = -(-seq_len // block_q) * block_q // dq_chunks // 8 * -(-head_dim // 128)
     big = [c for c, stores in getattr(s, "init_regions", ()) if stores >= 0.9 * need]
     return max(big) if big else 0
 
 
 def _row(k: tpu_dump.KernelDump, blocks, *, chip, library, mode, batch, seq_len, heads,
-         head_dim, causal, timeline, chunk_visits=(0, 0)) -> dict:
+         head_dim, causal, timeline, chunk_visits=(0, 0), dq_chunks=1) -> dict:
     """One bench row from a kernel's schedule. ``chunk_visits``: the forward's partial tiles
-    and the row chunks they run, per (batch, head) (:meth:`ForwardConfig.chunk_visits`)."""
+    and the row chunks they run, per (batch, head) (:meth:`ForwardConfig.chunk_visits`);
+    ``dq_chunks``: the fused backward's query chunks (:func:`backward_config.dq_chunks`)."""
     from flashlab.benchmarks.backends import attention_flops
     from flashlab.instruments import tpu_schedule
     s = k.schedule
     bq, bk = blocks
     steps = math.prod(k.grid)
     rows = init_runs(library, k.role, k.grid, batch=batch, heads=heads, seq_len=seq_len,
-                     block_q=bq, block_k=bk)
+                     block_q=bq, block_k=bk, dq_chunks=dq_chunks)
     tiles = batch * heads * _visible_tiles(seq_len, bq, bk, causal)
     partial, partial_chunks = (batch * heads * n for n in chunk_visits)
-    zero = (resident_zeroing(s, seq_len=seq_len, block_q=bq, head_dim=head_dim)
+    zero = (resident_zeroing(s, seq_len=seq_len, block_q=bq, head_dim=head_dim,
+                             dq_chunks=dq_chunks)
             if library.startswith("flashlab") and k.role == "fused" else 0)
     cycles = tpu_schedule.kernel_cycles(s, steps=steps, tiles=tiles, rows=rows,
                                         partial=partial, partial_chunks=partial_chunks,
-                                        once=batch * heads if zero else 0, once_cycles=zero)
+                                        once=batch * heads * dq_chunks if zero else 0,
+                                        once_cycles=zero)
     hz, peak, _ = chip_clock(chip)
     flops = attention_flops(batch, heads, seq_len, seq_len, head_dim, causal) * MATMULS[k.role] / 2
     r = dict(chip=chip, library=library, kernel=k.role, blocks=mode, block_q=bq, block_k=bk,
@@ -113,7 +120,7 @@ def _row(k: tpu_dump.KernelDump, blocks, *, chip, library, mode, batch, seq_len,
              tiles=tiles, rows=rows, est_cycles=cycles, flops=flops,
              partial_tiles=partial, partial_chunks=partial_chunks,
              partial_overhead_cycles=s.partial_overhead_cycles, chunk_cycles=s.chunk_cycles,
-             once_per_head_cycles=zero,
+             once_per_head_cycles=zero, dq_chunks=dq_chunks,
              est_ms=cycles / hz * 1e3 if hz else None,
              floor_ms=flops / peak * 1e3 if peak else None,
              op_mix=s.op_mix, unit_busy=s.unit_busy, unit_capacity=s.unit_capacity)
@@ -201,7 +208,8 @@ def measure(*, chips, libraries=LIBRARIES, modes=("default", "equal"), block=512
                     k = dataclasses.replace(k, role=role)
                     rows.append(_row(k, blocks, chip=c, library=lib, mode=m,
                                      causal=causal, timeline=(c == timeline_chip and m == "equal"),
-                                     chunk_visits=per_head, **shape))
+                                     chunk_visits=per_head, **shape,
+                                     dq_chunks=d.info["blocks"].get("dq_chunks") or 1))
     if bar is not None:
         bar.close()
     for r in rows:                                   # ratio to splash, same chip/kernel/mode

@@ -43,7 +43,8 @@ def _flashlab(chip, backward, causal, block, shape, dtype, which="auto"):
     def f(q, k, v):      # the blocks a user gets: passing fb would size the backward by them
         return flash.flash_attention(q, k, v, is_causal=causal, block_q=bq, block_k=bk,
                                      interpret=False, chip=chip, backward=which)
-    info = {"forward": list(fb), "dq": got["bwd"], "dkdv": got["bwd"], "fused": got["fused"],
+    info = {"forward": list(fb), "dq": got["bwd"], "dkdv": got["bwd"],
+            "fused": bool(got["fused"]), "dq_chunks": int(got["fused"]),
             "chunk_visits": list(got["chunk_visits"])}
     return f, (x, x, x), info
 

@@ -12,7 +12,8 @@ both; :func:`backward_grid.resolve_backward` picks):
 
 * **fused kernel** (the dK/dV kernel with ``fused``): the dK/dV kernel below, whose steps also
   add ``dS'_ij K_j`` into a float32 dQ ``[G, T, d]`` that stays resident in VMEM for the whole
-  (batch, kv head) and is written once: five matmuls per tile instead of seven.
+  (batch, kv head) and is written once: five matmuls per tile instead of seven. Where that
+  does not fit, dQ is resident per query chunk and dK, dV are summed over the chunks.
 * **dK/dV kernel**, grid ``(batch, kv_heads, T_c, G, T_r)`` (dense): kv block ``j`` of kv head ``hk``
   stays in VMEM while the ``G`` query heads sharing it (GQA) and their q blocks ``i`` stream
   past; dK_j, dV_j accumulate in float32 VMEM scratch and are written once. The last two axes
@@ -23,10 +24,9 @@ both; :func:`backward_grid.resolve_backward` picks):
   kv axis ("arbitrary"). With a full-shape bias ``[B, N, T, S]`` it also writes dS: that is
   dBias.
 * **dBias kernel**, for a bias broadcast over batch and/or heads (and any differentiated bias
-  under the fused kernel, which has no dQ kernel to write dS): grid (bias axes,
-  ``T_r``, ``T_c``, broadcast axes), dBias accumulated in its float32 output block over the
-  innermost broadcast axes (:func:`dbias_grid_spec`): no ``[B, N, T, S]``
-  array.
+  under the fused kernel, which has no dQ kernel to write dS): grid (bias axes, ``T_r``,
+  ``T_c``, broadcast axes), dBias accumulated in its float32 output block over the innermost
+  broadcast axes (:func:`dbias_grid_spec`): no ``[B, N, T, S]`` array.
 
 A bias or mask with a T or S dim of 1 (``[.., 1, S]``, ``[.., T, 1]``) is read by every kernel
 as blocks of 1 on that dim, broadcast in VMEM (:func:`forward.scores_block`). Only when the
@@ -50,14 +50,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from flashlab.contract.masks import AttentionSpec
-from flashlab.compat import pallas as compat
 from flashlab.kernels import blocks as blk
 from flashlab.kernels import forward as fwd
 from flashlab.kernels import forward_grid
@@ -65,7 +62,7 @@ from flashlab.kernels import visit
 from flashlab.compat.pallas import pl
 from flashlab.kernels.refs import RefNames, name_refs
 from flashlab.kernels.backward_grid import (
-    BackwardGridSpec, _dbias_order, _full_bias, dbias_config, _q_range, dbias_grid_spec, dkdv_grid_spec, dq_grid_spec, make_backward_config, D_ROW, LOG2E, LSE_ROW, ForwardConfig)
+    BackwardGridSpec, _dbias_order, _full_bias, dbias_config, _q_range, dbias_grid_spec, dkdv_grid_spec, dq_grid_spec, resolve_backward, cost_estimate, D_ROW, LOG2E, LSE_ROW, ForwardConfig)
 
 __all__ = ["flash_attention_backward", "EARLY_DV"]
 
@@ -128,13 +125,15 @@ def _tile(ins, cfg: ForwardConfig, q_start, k_start, q_len, kv_len, *, transpose
     return p, ds, (ds if t is None else ds * (1.0 - t * t))
 
 
-def _dkdv_kernel(*refs, cfg: ForwardConfig, names: RefNames, fused=False):
+def _dkdv_kernel(*refs, cfg: ForwardConfig, names: RefNames, fused: int = 0):
     """Step ``(b, hk, j, g, i)`` (or ``(b, hk, t, g)`` of the visit grid): dV_j += P_ijᵀ dO_i,
     dK_j += scale·dS'_ijᵀ Q_i.
 
-    ``refs`` by name (:meth:`BackwardGridSpec.ref_names`). ``fused``: also ``dQ_i += dS'_ij
-    K_j`` into the float32 output block ``dq [G, T, d]``, resident in VMEM for the whole
-    (b, hk) (see :func:`dkdv_grid_spec`)."""
+    ``refs`` by name (:meth:`BackwardGridSpec.ref_names`). ``fused`` (``n ≥ 1``): also
+    ``dQ_i += dS'_ij K_j`` into the float32 output block ``dq [G, T / n, d]``, resident in
+    VMEM for the whole (b, hk) and query chunk; with ``n > 1`` the dense grid is
+    ``(b, hk, c, j, g, i)`` and dK, dV are the chunk's float32 partials (see
+    :func:`dkdv_grid_spec`)."""
     ins = name_refs(refs, names)
     offsets_ref = ins.get("offsets")
     dk_ref, dv_ref, dq_ref = ins["dk"], ins["dv"], ins.get("dq")
@@ -142,13 +141,31 @@ def _dkdv_kernel(*refs, cfg: ForwardConfig, names: RefNames, fused=False):
     b = pl.program_id(0)
     q_lengths, kv_lengths = forward_grid.static_lengths(cfg, ins["q_lengths"], ins["kv_lengths"])
     q_len, kv_len = q_lengths[b], kv_lengths[b]
-    g, last_g = pl.program_id(3), cfg.group_size - 1
-    if "visits" in ins:         # (j, i) from the transposed visit list; the G heads innermost
-        j, i, first_i, last_i, run = visit.step(ins["visits"][pl.program_id(2)])
+    chunked = fused > 1
+    per = cfg.num_q_blocks // max(fused, 1)          # q blocks per chunk
+    on_visits = "visits" in ins
+    g = pl.program_id(4 if chunked and not on_visits else 3)
+    last_g = cfg.group_size - 1
+    chunk = 0
+    if on_visits:               # (j, i) from the transposed visit list; the G heads innermost
+        t = pl.program_id(2)
+        j, i, first_i, last_i, run = visit.step(ins["visits"][t])
         ranged = cfg.mask_q_len or cfg.mask_kv_len      # listed = positionally visible
+        if chunked:             # chunk after chunk: a chunk opens where the previous differs
+            chunk = i // per
+            prev = visit.unpack(ins["visits"][jnp.maximum(t - 1, 0)])[1] // per
+            opens = jnp.logical_and(g == 0, jnp.logical_or(t == 0, prev != chunk))
+    elif chunked:               # (b, hk, c, j, g, i): i local to chunk c
+        chunk, j, i_local = pl.program_id(2), pl.program_id(3), pl.program_id(5)
+        i = chunk * per + i_local
+        first_i, last_i, run, ranged = i_local == 0, i_local == per - 1, None, True
+        opens = functools.reduce(jnp.logical_and, [pl.program_id(a) == 0 for a in (3, 4, 5)])
     else:
         j, i = pl.program_id(2), pl.program_id(4)
         first_i, last_i, run, ranged = i == 0, i == cfg.num_q_blocks - 1, None, True
+    if fused == 1:              # the (b, hk)'s first step
+        opens = functools.reduce(jnp.logical_and, [
+            pl.program_id(a) == 0 for a in range(2, 4 if on_visits else 5)])
     first = jnp.logical_and(first_i, g == 0)
     last = jnp.logical_and(last_i, g == last_g)
     if ranged:          # exactly the index map's unclamped steps (visit grid: run-time lengths)
@@ -161,10 +178,8 @@ def _dkdv_kernel(*refs, cfg: ForwardConfig, names: RefNames, fused=False):
         dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
         dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
 
-    if fused:          # the (b, hk)'s first step: its G heads' dQ [G, T, d] start at zero
-        starts = [pl.program_id(a) == 0 for a in range(2, 4 if "visits" in ins else 5)]
-
-        @pl.when(functools.reduce(jnp.logical_and, starts))
+    if fused:          # the chunk's first step: its G heads' dQ [G, T / n, d] start at zero
+        @pl.when(opens)
         def _zero_dq():
             dq_ref[...] = jnp.zeros(dq_ref.shape, jnp.float32)
 
@@ -182,14 +197,15 @@ def _dkdv_kernel(*refs, cfg: ForwardConfig, names: RefNames, fused=False):
             add_dv(p_t)
         dk_acc[...] += jnp.dot(ds_t.astype(q.dtype), q, preferred_element_type=jnp.float32)
         if fused:                                      # dQ_i += dS'ᵀᵀ K_j: [B_r, d]
-            rows = pl.ds(pl.multiple_of(i * cfg.block_q, cfg.block_q), cfg.block_q)
+            start = (i - chunk * per) * cfg.block_q if chunked else i * cfg.block_q
+            rows = pl.ds(pl.multiple_of(start, cfg.block_q), cfg.block_q)
             dq_ref[g, rows, :] += jax.lax.dot_general(
                 ds_t.astype(q.dtype), ins["k"][...], (((0,), (0,)), ((), ())),
                 preferred_element_type=jnp.float32)
 
     @pl.when(last)
-    def _write():
-        dk_ref[...] = (dk_acc[...] * cfg.scale).astype(dk_ref.dtype)   # scale once per row
+    def _write():       # scale once per row; chunked: the chunk's float32 partial
+        dk_ref[...] = (dk_acc[...] * cfg.scale).astype(dk_ref.dtype)
         dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
 
 
@@ -266,49 +282,15 @@ def dbias_kernel(*refs, cfg: ForwardConfig, names: RefNames):
         dbias_ref[...] += ds
 
 
-def _cost_estimate(gs: BackwardGridSpec, kernel: str) -> Any:
-    """FLOPs, exps and HBM bytes counting only the computed tiles (static skipping)."""
-    cfg = gs.config
-    visible = blk.num_visible_blocks(cfg.num_q_blocks, cfg.num_kv_blocks, q_len=cfg.q_len_p,
-                                     kv_len=cfg.kv_len, block_q=cfg.block_q, block_k=cfg.block_k,
-                                     is_causal=cfg.is_causal and not cfg.has_offsets,
-                                     window=None if cfg.has_offsets else cfg.window)
-    bh = cfg.batch * cfg.num_heads
-    pairs = bh * visible
-    tile = cfg.block_q * cfg.block_k
-    d, dv = cfg.head_dim_p, cfg.head_dim_v_p
-    # dK/dV: S, dP, dV, dK (4 matmuls); dQ: S, dP, dQ (3); dBias: S, dP (2)
-    flops = 2 * pairs * tile * {"dkdv": 2 * d + 2 * dv, "dq": 2 * d + dv, "dbias": d + dv}[kernel]
-    if kernel == "dkdv" and "dq" in gs.out_names:   # the fused option's fifth matmul
-        flops += 2 * pairs * tile * d
-    exps = pairs * tile * (2 if cfg.soft_cap is not None else 1)
-
-    block_bytes = gs.block_bytes
-    fixed = {"dkdv": ("k", "v", "dk", "dv"), "dbias": (),
-             "dq": ("q", "do", "stats", "q_segment_ids", "dq")}[kernel]
-    outer = (cfg.batch * cfg.num_kv_heads * cfg.num_kv_blocks if kernel == "dkdv"
-             else bh * cfg.num_q_blocks)
-    nbytes = 0
-    for name in gs.in_names + gs.out_names:
-        if name in fixed:
-            nbytes += outer * block_bytes(name)
-        elif name in ("ds", "dbias"):
-            nbytes += int(np.prod(gs.shape(name).shape)) * 4
-        else:
-            nbytes += pairs * block_bytes(name)
-    return compat.CostEstimate(flops=int(flops), transcendentals=int(exps),
-                               bytes_accessed=int(nbytes))
-
-
 def _call(gs: BackwardGridSpec, kernel_fn, kernel: str, interpret, q_lengths, kv_lengths, ops):
     kw = ({"has_ds": "ds" in gs.out_names} if kernel == "dq" else
-          {"fused": "dq" in gs.out_names} if kernel == "dkdv" else {})
+          {"fused": gs.q_chunks if "dq" in gs.out_names else 0} if kernel == "dkdv" else {})
     return pl.pallas_call(
         functools.partial(kernel_fn, cfg=gs.config, names=gs.ref_names(), **kw),
         grid_spec=gs.pallas_grid_spec(),
         out_shape=fwd.varying_out_shapes(gs, q_lengths, kv_lengths, *ops),
         compiler_params=gs.compiler_params(interpret),
-        cost_estimate=_cost_estimate(gs, kernel),
+        cost_estimate=cost_estimate(gs, kernel),
         interpret=interpret,
         name=gs.name,
     )(q_lengths, kv_lengths, *ops)
@@ -317,8 +299,9 @@ def _call(gs: BackwardGridSpec, kernel_fn, kernel: str, interpret, q_lengths, kv
 @functools.partial(jax.jit, static_argnames=("cfg", "interpret", "with_dbias", "fused"))
 def _backward(query, key, value, spec, out, lse, d_out, *, cfg: ForwardConfig, interpret,
               with_dbias=True, fused=False):
-    """Gradients ``(dq, dk, dv, dbias | None)`` in the public layout (``fused``: one kernel
-    for dQ, dK, dV, see :func:`dkdv_grid_spec`)."""
+    """Gradients ``(dq, dk, dv, dbias | None)`` in the public layout (``fused``: 0 for the
+    split kernels, else one kernel for dQ, dK, dV with its dQ in that many query chunks, see
+    :func:`dkdv_grid_spec`)."""
     with_dbias = with_dbias and spec.bias is not None
     bias_shape = None if spec.bias is None else spec.bias.shape
     if with_dbias and dbias_config(cfg) != cfg:   # a bias [.., 1, S] / [.., T, 1]: read full
@@ -362,8 +345,10 @@ def _backward(query, key, value, spec, out, lse, d_out, *, cfg: ForwardConfig, i
                      pre + gs.visits() + [arrays[n] for n in gs.in_names])
 
     if fused:
-        dk, dv, dq = run(dkdv_grid_spec(cfg, fused=True), _dkdv_kernel, "dkdv")
+        dk, dv, dq = run(dkdv_grid_spec(cfg, fused=fused), _dkdv_kernel, "dkdv")
         dq_outs = [(dq * cfg.scale).astype(cfg.dtype)]       # float32 [B, N, T_pad, d]
+        if fused > 1:                  # the chunks' float32 partials [n, B, K, S, d]
+            dk, dv = (x.sum(axis=0).astype(cfg.dtype) for x in (dk, dv))
     else:
         dk, dv = run(dkdv_grid_spec(cfg), _dkdv_kernel, "dkdv")
         dq_outs = run(dq_grid_spec(cfg, with_dbias), _dq_kernel, "dq")
@@ -390,13 +375,14 @@ def flash_attention_backward(query, key, value, spec: AttentionSpec, out, lse, d
     :func:`forward.flash_attention_forward`; ``d_out`` is the cotangent of ``out``. Returns
     gradients in the public layout and the inputs' dtypes; ``dbias`` has the bias's shape
     (summed over its broadcast dims) or is ``None`` without a bias. ``fused``: one kernel for
-    dQ, dK and dV instead of two (:func:`dkdv_grid_spec`; ``ValueError`` where its resident
-    dQ does not fit VMEM). ``flash_attention(..., backward="auto")`` picks for you
-    (:func:`backward_grid.resolve_backward`; chapter 07).
+    dQ, dK and dV instead of two (:func:`dkdv_grid_spec`, its resident dQ in query chunks
+    where the whole does not fit VMEM; ``ValueError`` where even those do not).
+    ``flash_attention(..., backward="auto")`` picks for you
+    (:func:`backward_config.resolve_backward`; chapter 07).
     """
     if not isinstance(fused, bool):
         raise TypeError(f"fused: expected a bool, got {fused!r}")
-    cfg = make_backward_config(spec, block_q=block_q, block_k=block_k, chip=chip,
-                               fused=fused)
+    cfg, chunks = resolve_backward(spec, "fused" if fused else "split", block_q=block_q,
+                                   block_k=block_k, chip=chip)
     return _backward(query, key, value, spec, out, lse, d_out, cfg=cfg,
-                     interpret=fwd._resolve_interpret(interpret), fused=fused)
+                     interpret=fwd._resolve_interpret(interpret), fused=chunks)

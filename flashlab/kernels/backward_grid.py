@@ -1,6 +1,7 @@
 """The backward kernels' configuration and grids, as data (chapter 07).
 
-:func:`make_backward_config` picks the backward's blocks; :func:`dkdv_grid_spec`,
+:func:`make_backward_config` picks the backward's blocks and :func:`resolve_backward` the
+backward that runs (:mod:`flashlab.kernels.backward_config`); :func:`dkdv_grid_spec`,
 :func:`dq_grid_spec` and :func:`dbias_grid_spec` build the exact grids, BlockSpecs and scratch
 of the three ``pallas_call`` s of :mod:`flashlab.kernels.backward`, reusing the forward's index
 maps and mask operands (:mod:`flashlab.kernels.forward_grid`);
@@ -17,18 +18,21 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from flashlab.contract.masks import AttentionSpec
 from flashlab.compat import pallas as compat
 from flashlab.kernels import blocks as blk
 from flashlab.kernels import forward_grid
 from flashlab.kernels import forward_config
 from flashlab.kernels import visit
 from flashlab.compat.pallas import pl
+from flashlab.kernels.block_ranges import _max, _min
+from flashlab.kernels.backward_config import (  # noqa: F401  (re-exported: one import site)
+    BACKWARDS, MAX_DQ_CHUNKS, dq_chunks, make_backward_config, resolve_backward)
 from flashlab.ladder import online_softmax
 
 
-__all__ = ["BACKWARDS", "resolve_backward", "ForwardConfig", "LSE_ROW", "D_ROW", "LOG2E", "BackwardGridSpec", "STATS_LANES", "backward_grid_specs", "dbias_config", "dbias_grid_spec", "dkdv_grid_spec", "dq_grid_spec", "make_backward_config", "prefetch_names"]
+__all__ = ["BACKWARDS", "MAX_DQ_CHUNKS", "dq_chunks", "resolve_backward", "ForwardConfig", "LSE_ROW", "D_ROW", "LOG2E", "BackwardGridSpec", "STATS_LANES", "backward_grid_specs", "dbias_config", "dbias_grid_spec", "dkdv_grid_spec", "dq_grid_spec", "make_backward_config", "prefetch_names", "cost_estimate"]
 
 ForwardConfig = forward_config.ForwardConfig
 # The dQ kernel's statistics ``stats [B, N, T, 256]`` float32: lse in lanes [0, 128), D_i in
@@ -40,85 +44,6 @@ LSE_ROW, D_ROW = 0, 1
 LOG2E = online_softmax.LOG2E       # lse is stored (and P computed) in log2 units
 
 
-#: The fused backward against the split one, whole backward on the static schedule (the stored
-#: ``bench tpu-static`` run, B=2 T=8192 H=16 d=128 bf16 causal, jax 0.12.0.1 / libtpu
-#: 0.0.50.1): 0.70x at 1024x1024 on v5e and v5p, 0.71x on v6e and 7x; on v4, whose 16 MiB of
-#: VMEM holds the resident dQ only beside smaller tiles, 0.69x at 512x1024 (0.75x against the
-#: split at its best, 1024x1024). So ``"auto"`` runs it wherever it fits.
-BACKWARDS = ("auto", "split", "fused")
-
-
-def _vmem_kw(spec: AttentionSpec, fused: bool) -> dict:
-    """What the backward's VMEM estimate needs of ``spec`` (the fused kernel: its resident dQ
-    ``[G, T, d]``)."""
-    kw = dict(forward_config.block_kwargs(spec), soft_cap=spec.soft_cap is not None,
-              fused=fused)
-    return dict(kw, q_len=spec.q_len, group=spec.group_size) if fused else kw
-
-
-def make_backward_config(spec: AttentionSpec, *, block_q=None, block_k=None,
-                         chip=None, fused: bool = False,
-                         visit_grid: bool | None = None) -> ForwardConfig:
-    """The backward kernels' configuration: the forward's, with the backward's block sizes.
-
-    Explicit ``block_q``/``block_k`` (the ones given to ``flash_attention``) are used when they
-    fit :func:`blocks.backward_vmem_bytes`; missing or too large ones come from
-    :func:`blocks.choose_backward_block_sizes` for ``chip`` (``None``: the compile target,
-    :func:`blocks.resolve_chip`). ``block_q`` is rounded up to a multiple of 128: the dK/dV
-    kernel computes the transposed tile ``Sᵀ [B_c, B_r]``, where B_r is the lane dim.
-    ``fused``: size them for the fused backward (one kernel, its resident float32 dQ); raises
-    ``ValueError`` when no blocks fit (a sequence too long for its dQ to stay in VMEM).
-    ``visit_grid``: as in :func:`forward_config.make_config` (``None``: where it skips enough
-    steps to pay, :data:`forward_config.VISIT_MAX_SHARE`).
-    """
-    chip = blk.resolve_chip(chip)
-    dt = jnp.dtype(spec.dtype)
-    kw = _vmem_kw(spec, fused)
-    choose_kw = {k: v for k, v in kw.items() if k != "q_len"}
-    auto_q, auto_k = blk.choose_backward_block_sizes(spec.q_len, spec.kv_len, spec.head_dim, dt,
-                                                     chip, is_causal=spec.is_causal,
-                                                     **choose_kw)
-    auto_q = blk.round_up(auto_q, blk.LANES)
-    bq = auto_q if block_q is None else blk.round_up(block_q, blk.LANES)
-    bk = auto_k if block_k is None else block_k
-    if not blk._backward_fits(bq, bk, spec.head_dim, dt, chip, **kw):
-        bq, bk = auto_q, auto_k
-    if fused and not blk._backward_fits(bq, bk, spec.head_dim, dt, chip, **kw):
-        need = blk.backward_vmem_bytes(bq, bk, spec.head_dim, dt, **kw)
-        raise ValueError(
-            f"backward='fused': q_len={spec.q_len} with {spec.group_size} query head(s) per kv "
-            f"head needs {need / 2**20:.1f} MiB of VMEM on {chip} (its dQ [G, T, d] float32 "
-            f"stays resident), over the {blk.vmem_limit_bytes(chip) / 2**20:.0f} MiB limit; "
-            f"expected backward='split' or 'auto' at this length")
-    return forward_config.make_config(spec, block_q=bq, block_k=bk, chip=chip,
-                                      visit_grid=visit_grid, backward_blocks=True)
-
-
-def resolve_backward(spec: AttentionSpec, backward: str = "auto", *, block_q=None,
-                     block_k=None, chip=None) -> tuple[ForwardConfig, bool]:
-    """``(config, fused)``: which backward ``jax.grad`` runs, and its configuration.
-
-    ``"split"``: the dK/dV and dQ kernels. ``"fused"``: one kernel (raises ``ValueError``
-    where its resident dQ does not fit VMEM). ``"auto"``: fused when its resident dQ fits at
-    the backward's blocks (the ones given, else the measured table's,
-    :func:`blocks.choose_backward_block_sizes`, which ranks each pair by the backward that
-    runs there), else split: the fused backward is faster on every chip where it fits
-    (0.69-0.71x the split's static estimate), and the choice never trades tiles for it.
-    """
-    if not isinstance(backward, str) or backward not in BACKWARDS:
-        raise ValueError(f"backward: expected one of {BACKWARDS}, got {backward!r}")
-    kw = dict(block_q=block_q, block_k=block_k, chip=chip)
-    if backward == "fused":
-        return make_backward_config(spec, fused=True, **kw), True
-    cfg = make_backward_config(spec, **kw)
-    if backward == "split":
-        return cfg, False
-    # The fused kernel runs on this very config (the blocks are the config's; only the VMEM
-    # check differs), so it is not built twice.
-    return cfg, blk._backward_fits(cfg.block_q, cfg.block_k, spec.head_dim,
-                                   jnp.dtype(spec.dtype), cfg.chip, **_vmem_kw(spec, True))
-
-
 # ----------------------------------------------------------------------------- grids as data
 
 @dataclasses.dataclass(frozen=True)
@@ -128,17 +53,20 @@ class BackwardGridSpec(forward_grid.ForwardGridSpec):
     Index maps take ``(*grid indices, q_lengths, kv_lengths[, offsets | visits])`` and run on
     ints and NumPy arrays too, so :mod:`flashlab.instruments.traffic` replays them.
     ``visit_rows``: on a visit grid, ``"q"`` (rows are q blocks, the dQ kernel) or ``"kv"``
-    (the dK/dV kernel's transposed list); ``None`` on the dense grid.
+    (the dK/dV kernel's transposed list); ``None`` on the dense grid. ``q_chunks``: the fused
+    backward's query chunks (:func:`dkdv_grid_spec`).
     """
 
     name: str = ""
     visit_rows: str | None = None
+    q_chunks: int = 1
 
     def visits(self) -> list:
         """The visit-list operand ``[visits [n] int32]`` of a visit grid, else ``[]``."""
         if self.visit_rows is None:
             return []
-        return [jnp.asarray(self.config.visits(transposed=self.visit_rows == "kv"))]
+        return [jnp.asarray(self.config.visits(transposed=self.visit_rows == "kv",
+                                               q_chunks=self.q_chunks))]
 
 
 def prefetch_names(cfg: ForwardConfig, visits: bool = False) -> tuple[str, ...]:
@@ -147,11 +75,11 @@ def prefetch_names(cfg: ForwardConfig, visits: bool = False) -> tuple[str, ...]:
             + (("visits",) if visits else ()))
 
 
-def _on_visit_grid(cfg: ForwardConfig, transposed: bool) -> bool:
+def _on_visit_grid(cfg: ForwardConfig, transposed: bool, q_chunks: int = 1) -> bool:
     """Run this backward kernel over the visible blocks only (``cfg.visit_grid``, the forward's
     choice: no offsets, steps to skip); the transposed list obeys the same size limit."""
-    return cfg.visit_grid and (not transposed or
-                               len(cfg.visits(transposed=True)) <= visit.MAX_VISITS)
+    return cfg.visit_grid and (not transposed or len(
+        cfg.visits(transposed=True, q_chunks=q_chunks)) <= visit.MAX_VISITS)
 
 
 def _q_side_operands(cfg, q_map, kv_map, scores_map_for, qseg_map, kvseg_map,
@@ -209,40 +137,57 @@ def _q_range(cfg, b, j, q_lengths, kv_lengths, offsets=None):
                              shift=forward_grid.offset_shift(offsets))
 
 
-def dkdv_grid_spec(cfg: ForwardConfig, fused: bool = False) -> BackwardGridSpec:
+def dkdv_grid_spec(cfg: ForwardConfig, fused: int = 0) -> BackwardGridSpec:
     """The dK/dV kernel: grid ``(b, hk, j, g, i)``; query head ``h = hk·G + g``.
 
-    On the visit grid (:func:`_on_visit_grid`; not with ``fused``) it is ``(b, hk, t, g)``:
-    step ``t`` reads ``(j, i)`` from the transposed visit list (rows are kv blocks), and the
-    ``G`` query heads sharing kv head ``hk`` run innermost, so dK_j, dV_j still accumulate over
-    every (g, i) before the row's last visit writes them. Only ``b`` and ``hk`` are parallel.
+    On the visit grid (:func:`_on_visit_grid`) it is ``(b, hk, t, g)``: step ``t`` reads
+    ``(j, i)`` from the transposed visit list (rows are kv blocks), and the ``G`` query heads
+    sharing kv head ``hk`` run innermost, so dK_j, dV_j still accumulate over every (g, i)
+    before the row's last visit writes them. Only ``b`` and ``hk`` are parallel.
 
-    ``fused``: the fused backward, one kernel for dQ, dK and dV. Its float32 output ``dq
-    [B, N, T, d]`` (unscaled) is read in blocks ``[G, T, d]``, all of a kv head's query heads
-    over the whole sequence, whose index ``(b, hk)`` does not change while ``j``, ``g`` and
-    ``i`` run: the block stays resident in VMEM and each step adds its ``dS'_ij K_j`` into rows
-    ``i`` of head ``g``; it is written to HBM once, when ``(b, hk)`` moves on. No atomics, no
-    partials in HBM; the price is ``G·T·d·4`` bytes of VMEM (one buffer, ``pl.Buffered(1)``:
-    its write-back is 32 per run at B=2, K=16, not worth a second copy), so the fused backward
-    exists only where that fits (:func:`blocks.backward_vmem_bytes`), and the kv-block axis
-    is "arbitrary" (only ``b`` and ``hk`` split across TensorCores).
+    ``fused`` (an int ``n ≥ 1``, or True for 1): the fused backward, one kernel for dQ, dK and
+    dV. Its float32 output ``dq [B, N, T, d]`` (unscaled) is read in blocks ``[G, T / n, d]``,
+    all of a kv head's query heads over one of ``n`` query chunks, whose index does not change
+    while ``j``, ``g`` and ``i`` run: the block stays resident in VMEM and each step adds its
+    ``dS'_ij K_j`` into rows ``i`` of head ``g``; it is written to HBM once, when the chunk
+    moves on. No atomics, no dQ partials in HBM; the price is ``G·T·d·4 / n`` bytes of VMEM
+    (one buffer, ``pl.Buffered(1)``: its write-back is rare, not worth a second copy), and the
+    kv-block axis is "arbitrary" (only ``b`` and ``hk`` split across TensorCores).
+    With ``n > 1`` the grid is ``(b, hk, c, j, g, i)`` with ``i`` local to chunk ``c`` (the
+    visit grid lists chunk after chunk, :func:`visit.visit_table`), and dK, dV are float32
+    partials ``[n, B, K, S, d]`` (scaled), one per chunk, summed after the kernel.
     """
+    n = int(fused)
     G = cfg.group_size
     bk = cfg.block_k
     Sp, Dp, Dvp = cfg.kv_len_p, cfg.head_dim_p, cfg.head_dim_v_p
-    on_visits = _on_visit_grid(cfg, transposed=True)
+    on_visits = _on_visit_grid(cfg, transposed=True, q_chunks=max(n, 1))
     clamp = cfg.mask_q_len or cfg.mask_kv_len
+    per = cfg.num_q_blocks // max(n, 1)                  # q blocks per chunk
 
-    def q_block(b, j, i, q_lengths, kv_lengths, offsets=None):
+    def q_block(b, j, i, q_lengths, kv_lengths, offsets=None, chunk=None):
         lo, hi = _q_range(cfg, b, j, q_lengths, kv_lengths, offsets)
+        if chunk is not None:           # the chunk's q blocks only
+            lo, hi = _max(lo, chunk * per), _min(hi, chunk * per + per - 1)
         return blk.clamp_block(i, lo, hi, cfg.num_q_blocks)   # same clamp, on the q axis
 
     if on_visits:                       # (b, hk, t, g): (j, i) from the visit list
         def idx(b, hk, t, g, q_lengths, kv_lengths, visits):      # -> (b, h, j, i)
             j, i, _ = visit.unpack(visits[t])
             if clamp:                   # run-time lengths: a step past them copies nothing
-                i = q_block(b, j, i, q_lengths, kv_lengths)
+                i = q_block(b, j, i, q_lengths, kv_lengths,
+                            chunk=i // per if n > 1 else None)
             return b, hk * G + g, j, i
+
+        def chunk_of(b, hk, t, *a):
+            return visit.unpack(a[-1][t])[1] // per
+    elif n > 1:                         # (b, hk, c, j, g, i): i local to chunk c
+        def idx(b, hk, c, j, g, i, q_lengths, kv_lengths, offsets=None):
+            return b, hk * G + g, j, q_block(b, j, c * per + i, q_lengths, kv_lengths,
+                                             offsets, chunk=c)
+
+        def chunk_of(b, hk, c, *a):
+            return c
     else:
         def idx(b, hk, j, g, i, q_lengths, kv_lengths, offsets=None):
             return b, hk * G + g, j, q_block(b, j, i, q_lengths, kv_lengths, offsets)
@@ -251,11 +196,11 @@ def dkdv_grid_spec(cfg: ForwardConfig, fused: bool = False) -> BackwardGridSpec:
         b, h, _, i = idx(*a)
         return (b, h, i, 0)
 
-    def kv_block(x, a):                 # j: the grid's, or the row of visits[t] (no clamp)
-        return visit.unpack(a[-1][x])[0] if on_visits else x
+    def kv_block(*a):                   # j: the grid's, or the row of visits[t] (no clamp)
+        return visit.unpack(a[-1][a[2]])[0] if on_visits else a[3 if n > 1 else 2]
 
-    def kv_map(b, hk, x, *a):                                # K_j, V_j, dK_j, dV_j
-        return (b, hk, kv_block(x, a), 0)
+    def kv_map(*a):                                          # K_j, V_j, dK_j, dV_j
+        return (a[0], a[1], kv_block(*a), 0)
 
     def scores_map_for(bcast):
         def scores_map(*a):
@@ -268,40 +213,50 @@ def dkdv_grid_spec(cfg: ForwardConfig, fused: bool = False) -> BackwardGridSpec:
         b, _, _, i = idx(*a)
         return (b, i, 0)
 
-    def kvseg_map(b, hk, x, *a):
-        return (b, 0, kv_block(x, a))
+    def kvseg_map(*a):
+        return (a[0], 0, kv_block(*a))
 
     names, specs, shapes = _q_side_operands(cfg, q_map, kv_map, scores_map_for, qseg_map,
                                             kvseg_map, transposed=True)
     sds = jax.ShapeDtypeStruct
     B, K = cfg.batch, cfg.num_kv_heads
-    out_specs = (pl.BlockSpec((None, None, bk, Dp), kv_map),
-                 pl.BlockSpec((None, None, bk, Dvp), kv_map))
-    out_shapes = (sds((B, K, Sp, Dp), cfg.dtype), sds((B, K, Sp, Dvp), cfg.dtype))
+    if n > 1:                           # float32 partials [n, B, K, S, d], one per chunk
+        def part_map(*a):
+            return (chunk_of(*a),) + kv_map(*a)
+        out_specs = (pl.BlockSpec((None, None, None, bk, Dp), part_map),
+                     pl.BlockSpec((None, None, None, bk, Dvp), part_map))
+        out_shapes = (sds((n, B, K, Sp, Dp), jnp.float32), sds((n, B, K, Sp, Dvp), jnp.float32))
+    else:
+        out_specs = (pl.BlockSpec((None, None, bk, Dp), kv_map),
+                     pl.BlockSpec((None, None, bk, Dvp), kv_map))
+        out_shapes = (sds((B, K, Sp, Dp), cfg.dtype), sds((B, K, Sp, Dvp), cfg.dtype))
     out_names = ("dk", "dv")
-    if fused:                   # the G heads of kv head hk, every row: resident per (b, hk)
-        def dq_map(b, hk, *_):
-            return (b, hk, 0, 0)
+    if n:                  # the G heads of kv head hk, one chunk of rows: resident
+        def dq_map(b, hk, *a):
+            return (b, hk, chunk_of(b, hk, *a) if n > 1 else 0, 0)
         out_names += ("dq",)
-        out_specs += (pl.BlockSpec((None, G, cfg.q_len_p, Dp), dq_map,
+        out_specs += (pl.BlockSpec((None, G, cfg.q_len_p // n, Dp), dq_map,
                                    pipeline_mode=pl.Buffered(1)),)
         out_shapes += (sds((B, cfg.num_heads, cfg.q_len_p, Dp), jnp.float32),)
     scratch = (compat.VMEM((bk, Dp), jnp.float32), compat.VMEM((bk, Dvp), jnp.float32))
     if on_visits:
-        grid = (B, K, len(cfg.visits(transposed=True)), G)
+        grid = (B, K, len(cfg.visits(transposed=True, q_chunks=max(n, 1))), G)
         dims = ("parallel", "parallel", "arbitrary", "arbitrary")
+    elif n > 1:
+        grid = (B, K, n, cfg.num_kv_blocks, G, per)
+        dims = ("parallel", "parallel") + ("arbitrary",) * 4
     else:
         grid = (B, K, cfg.num_kv_blocks, G, cfg.num_q_blocks)
-        dims = ("parallel", "parallel", "arbitrary" if fused else "parallel", "arbitrary",
+        dims = ("parallel", "parallel", "arbitrary" if n else "parallel", "arbitrary",
                 "arbitrary")
     return BackwardGridSpec(
         config=cfg, grid=grid,
         in_names=tuple(names), in_specs=tuple(specs), in_shapes=tuple(shapes),
         out_names=out_names, out_specs=out_specs, out_shapes=out_shapes,
         scratch_shapes=scratch, dimension_semantics=dims,
-        name="flashlab_flash_backward_dkdv" + ("_fused" if fused else ""),
+        name="flashlab_flash_backward_dkdv" + ("_fused" if n else ""),
         prefetch_names=prefetch_names(cfg, on_visits), scratch_names=("dk_acc", "dv_acc"),
-        visit_rows="kv" if on_visits else None)
+        visit_rows="kv" if on_visits else None, q_chunks=max(n, 1))
 
 
 def dq_grid_spec(cfg: ForwardConfig, with_dbias: bool = True) -> BackwardGridSpec:
@@ -415,3 +370,40 @@ def dbias_grid_spec(cfg: ForwardConfig) -> BackwardGridSpec:
         out_shapes=(jax.ShapeDtypeStruct(bias_shape, jnp.float32),), scratch_shapes=(),
         dimension_semantics=("parallel",) * (4 - n_bc) + ("arbitrary",) * n_bc,
         name="flashlab_flash_backward_dbias", prefetch_names=prefetch_names(cfg))
+
+
+def cost_estimate(gs: BackwardGridSpec, kernel: str):
+    """The ``pl.CostEstimate`` of one backward kernel (``kernel``: "dkdv", "dq" or "dbias"):
+    FLOPs, exps and HBM bytes counting only the computed tiles (static skipping)."""
+    cfg = gs.config
+    visible = blk.num_visible_blocks(cfg.num_q_blocks, cfg.num_kv_blocks, q_len=cfg.q_len_p,
+                                     kv_len=cfg.kv_len, block_q=cfg.block_q, block_k=cfg.block_k,
+                                     is_causal=cfg.is_causal and not cfg.has_offsets,
+                                     window=None if cfg.has_offsets else cfg.window)
+    bh = cfg.batch * cfg.num_heads
+    pairs = bh * visible
+    tile = cfg.block_q * cfg.block_k
+    d, dv = cfg.head_dim_p, cfg.head_dim_v_p
+    # dK/dV: S, dP, dV, dK (4 matmuls); dQ: S, dP, dQ (3); dBias: S, dP (2)
+    flops = 2 * pairs * tile * {"dkdv": 2 * d + 2 * dv, "dq": 2 * d + dv, "dbias": d + dv}[kernel]
+    if kernel == "dkdv" and "dq" in gs.out_names:   # the fused option's fifth matmul
+        flops += 2 * pairs * tile * d
+    exps = pairs * tile * (2 if cfg.soft_cap is not None else 1)
+
+    block_bytes = gs.block_bytes
+    fixed = {"dkdv": ("k", "v", "dk", "dv"), "dbias": (),
+             "dq": ("q", "do", "stats", "q_segment_ids", "dq")}[kernel]
+    outer = (cfg.batch * cfg.num_kv_heads * cfg.num_kv_blocks * gs.q_chunks if kernel == "dkdv"
+             else bh * cfg.num_q_blocks)
+    nbytes = 0
+    for name in gs.in_names + gs.out_names:
+        if name in fixed:
+            nbytes += outer * block_bytes(name)
+        elif name == "dq" and kernel == "dkdv":      # fused: written once per (b, hk, chunk)
+            nbytes += cfg.batch * cfg.num_kv_heads * gs.q_chunks * block_bytes(name)
+        elif name in ("ds", "dbias"):
+            nbytes += int(np.prod(gs.shape(name).shape)) * 4
+        else:
+            nbytes += pairs * block_bytes(name)
+    return compat.CostEstimate(flops=int(flops), transcendentals=int(exps),
+                               bytes_accessed=int(nbytes))

@@ -257,7 +257,8 @@ def _shrink_to_fit(fits, bq, bk, rule):
 def backward_vmem_bytes(block_q: int, block_k: int, head_dim: int, dtype, *,
                         head_dim_v: int | None = None, bias_dtype=None, has_mask: bool = False,
                         has_segments: bool = False, soft_cap: bool = False, fused: bool = False,
-                        q_len: int | None = None, group: int = 1, buffers: int = 2) -> int:
+                        q_len: int | None = None, group: int = 1, q_chunks: int = 1,
+                        buffers: int = 2) -> int:
     """Estimated VMEM footprint (bytes) of the larger of the two backward kernels.
 
     Each kernel's pipelined blocks count ``buffers`` times, as its BlockSpecs declare them
@@ -268,7 +269,8 @@ def backward_vmem_bytes(block_q: int, block_k: int, head_dim: int, dtype, *,
     kernel reads ``stats_t [8, block_q]`` float32 and segment ids ``[8, block_q]``,
     ``[block_k, 128]`` int32 and writes dK, dV ``[block_k, d]`` (``fused``: also the resident
     float32 dQ of the kv head's ``group`` query heads over the whole padded ``q_len``,
-    ``[group, T, d]``, in one buffer, :func:`backward_grid.dkdv_grid_spec`). Scratch counts
+    ``[group, T, d]``, in one buffer, :func:`backward_grid.dkdv_grid_spec`; in ``q_chunks``
+    chunks, ``[group, T / q_chunks, d]``, and dK, dV are then float32 partials). Scratch counts
     once: the float32 accumulators (dQ; dK and dV). On top: Mosaic's spill slots, :data:`BACKWARD_SPILL_TILES`
     float32 ``[B_r, B_c]`` tiles, one more with a soft cap (its tanh) or a mask (widened,
     compared), one more for the fused kernel's third matmul. head dims are lane-padded.
@@ -285,13 +287,14 @@ def backward_vmem_bytes(block_q: int, block_k: int, head_dim: int, dtype, *,
     dq_blocks = common + block_q * 2 * LANES * 4 + block_q * d * e
     if bias_dtype is not None:
         dq_blocks += tile                                   # dS (full bias) or dBias out
-    dkdv_blocks = common + SUBLANES * block_q * 4 + block_k * (d + dv) * e
+    e_out = 4 if q_chunks > 1 else e                   # chunked: float32 dK, dV partials
+    dkdv_blocks = common + SUBLANES * block_q * 4 + block_k * (d + dv) * e_out
     if has_segments:
         dq_blocks += (block_q * LANES + SUBLANES * block_k) * 4
         dkdv_blocks += (SUBLANES * block_q + block_k * LANES) * 4
     resident = 0
     if fused:      # dQ [G, T_pad, d] float32, resident per (b, kv head), one buffer
-        resident = group * round_up(q_len or block_q, block_q) * d * 4
+        resident = group * round_up(q_len or block_q, block_q) // q_chunks * d * 4
     dq = (buffers * dq_blocks + block_q * d * 4
           + int((BACKWARD_SPILL_TILES["dq"] + extra_tiles) * tile))
     dkdv = (buffers * dkdv_blocks + resident + block_k * (d + dv) * 4

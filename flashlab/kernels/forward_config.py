@@ -144,14 +144,16 @@ class ForwardConfig:
         """The dense grid ``(B, H, T_r, T_c)`` (the backward's dQ kernel runs it too)."""
         return (self.batch, self.num_heads, self.num_q_blocks, self.num_kv_blocks)
 
-    def visits(self, transposed: bool = False) -> np.ndarray:
+    def visits(self, transposed: bool = False, q_chunks: int = 1) -> np.ndarray:
         """The packed visit list ``int32 [n]`` of the visit grid (:mod:`.visit`); rows are kv
-        blocks with ``transposed`` (the dK/dV kernel's)."""
+        blocks with ``transposed`` (the dK/dV kernel's), once per q chunk with ``q_chunks``
+        (the fused backward's)."""
         return visit.visit_table(num_q_blocks=self.num_q_blocks,
                                  num_kv_blocks=self.num_kv_blocks, q_len=self.q_len,
                                  kv_len=self.kv_len, block_q=self.block_q,
                                  block_k=self.block_k, is_causal=self.is_causal,
-                                 window=self.window, transposed=transposed)
+                                 window=self.window, transposed=transposed,
+                                 q_chunks=q_chunks)
 
 
 def block_kwargs(spec: AttentionSpec) -> dict:

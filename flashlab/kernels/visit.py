@@ -19,7 +19,9 @@ blocks copied are exactly those of the dense grid with clamped index maps, in th
 The backward runs on visit lists too: the dQ kernel on the forward's (rows are q blocks), the
 dK/dV kernel on the transposed one (``transposed=True``: rows are kv blocks ``j``, each listing
 the q blocks ``i`` that see it, from :func:`blocks.q_block_range`; an entry packs
-``j << 16 | i << 3 | flags``).
+``j << 16 | i << 3 | flags``). The fused backward with its resident dQ in ``q_chunks`` query
+chunks runs one such list per chunk, back to back (``q_chunks``: each kv row lists only its
+q blocks inside the chunk, and a row with none there gets a placeholder in the chunk).
 """
 from __future__ import annotations
 
@@ -41,12 +43,16 @@ MAX_VISITS = 1 << 15
 @functools.lru_cache(maxsize=64)
 def visit_table(*, num_q_blocks: int, num_kv_blocks: int, q_len: int, kv_len: int,
                 block_q: int, block_k: int, is_causal: bool = False, window=None,
-                transposed: bool = False) -> np.ndarray:
+                transposed: bool = False, q_chunks: int = 1) -> np.ndarray:
     """The packed visit list ``int32 [n]`` of one (batch, head), rows in order.
 
     Rows are q blocks (the forward and dQ kernels), or kv blocks with ``transposed`` (the
     dK/dV kernel). ``q_len``/``kv_len``: the caller's static lengths (padding past them is
-    never visited). Raises ``ValueError`` when a block index does not fit its bit field.
+    never visited). ``q_chunks`` (``transposed`` only; it divides ``num_q_blocks``): the
+    transposed list once per chunk of ``num_q_blocks // q_chunks`` q blocks, chunk by chunk,
+    each row cut to the chunk's q blocks (an EMPTY placeholder in the chunk where none is
+    left), so a q block's chunk is ``i // (num_q_blocks // q_chunks)``.
+    Raises ``ValueError`` when a block index does not fit its bit field.
     Cached and read-only: a config's grid spec, its kernel call and its checks all ask for it.
     """
     rows, cols = (num_kv_blocks, num_q_blocks) if transposed else (num_q_blocks, num_kv_blocks)
@@ -54,18 +60,26 @@ def visit_table(*, num_q_blocks: int, num_kv_blocks: int, q_len: int, kv_len: in
         raise ValueError(f"num_q_blocks={num_q_blocks}, num_kv_blocks={num_kv_blocks}: the "
                          f"visit list packs its rows in {31 - _I_SHIFT} bits and its columns "
                          f"in {_J_BITS}; use larger blocks")
+    if q_chunks != 1 and (not transposed or q_chunks < 1 or num_q_blocks % q_chunks):
+        raise ValueError(f"q_chunks={q_chunks}: expected a divisor of num_q_blocks="
+                         f"{num_q_blocks}, on a transposed list")
     span = blk.q_block_range if transposed else blk.kv_block_range
+    per = cols // q_chunks
     out = []
-    for r in range(rows):
-        lo, hi = span(r, q_len, kv_len, block_q=block_q, block_k=block_k, is_causal=is_causal,
-                      window=window)
-        if hi < lo:          # nothing visible: one step that only writes the row's zeros
-            c = blk.clamp_block(0, lo, hi, cols)
-            out.append(r << _I_SHIFT | c << 3 | FIRST | LAST | EMPTY)
-            continue
-        for c in range(lo, hi + 1):
-            out.append(r << _I_SHIFT | c << 3 | (FIRST if c == lo else 0)
-                       | (LAST if c == hi else 0))
+    for chunk in range(q_chunks):
+        first_col, last_col = chunk * per, chunk * per + per - 1
+        for r in range(rows):
+            lo, hi = span(r, q_len, kv_len, block_q=block_q, block_k=block_k,
+                          is_causal=is_causal, window=window)
+            if q_chunks > 1:
+                lo, hi = max(lo, first_col), min(hi, last_col)
+            if hi < lo:      # nothing visible: one step that only writes the row's zeros
+                c = first_col if q_chunks > 1 else blk.clamp_block(0, lo, hi, cols)
+                out.append(r << _I_SHIFT | c << 3 | FIRST | LAST | EMPTY)
+                continue
+            for c in range(lo, hi + 1):
+                out.append(r << _I_SHIFT | c << 3 | (FIRST if c == lo else 0)
+                           | (LAST if c == hi else 0))
     out = np.asarray(out, np.int32)
     out.setflags(write=False)
     return out
