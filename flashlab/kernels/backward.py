@@ -60,6 +60,7 @@ from flashlab.kernels import forward as fwd
 from flashlab.kernels import forward_grid
 from flashlab.kernels import visit
 from flashlab.compat.pallas import pl
+from flashlab.kernels.block_ranges import div_nonneg
 from flashlab.kernels.refs import RefNames, name_refs
 from flashlab.kernels.backward_grid import (
     BackwardGridSpec, _dbias_order, _full_bias, dbias_config, _q_range, dbias_grid_spec, dkdv_grid_spec, dq_grid_spec, resolve_backward, cost_estimate, D_ROW, LOG2E, LSE_ROW, ForwardConfig)
@@ -152,8 +153,8 @@ def _dkdv_kernel(*refs, cfg: ForwardConfig, names: RefNames, fused: int = 0):
         j, i, first_i, last_i, run = visit.step(ins["visits"][t])
         ranged = cfg.mask_q_len or cfg.mask_kv_len      # listed = positionally visible
         if chunked:             # chunk after chunk: a chunk opens where the previous differs
-            chunk = i // per
-            prev = visit.unpack(ins["visits"][jnp.maximum(t - 1, 0)])[1] // per
+            chunk = div_nonneg(i, per)
+            prev = div_nonneg(visit.unpack(ins["visits"][jnp.maximum(t - 1, 0)])[1], per)
             opens = jnp.logical_and(g == 0, jnp.logical_or(t == 0, prev != chunk))
     elif chunked:               # (b, hk, c, j, g, i): i local to chunk c
         chunk, j, i_local = pl.program_id(2), pl.program_id(3), pl.program_id(5)

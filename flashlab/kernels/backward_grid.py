@@ -26,7 +26,7 @@ from flashlab.kernels import forward_grid
 from flashlab.kernels import forward_config
 from flashlab.kernels import visit
 from flashlab.compat.pallas import pl
-from flashlab.kernels.block_ranges import _max, _min
+from flashlab.kernels.block_ranges import _max, _min, div_nonneg
 from flashlab.kernels.backward_config import (  # noqa: F401  (re-exported: one import site)
     BACKWARDS, MAX_DQ_CHUNKS, dq_chunks, make_backward_config, resolve_backward)
 from flashlab.ladder import online_softmax
@@ -176,11 +176,11 @@ def dkdv_grid_spec(cfg: ForwardConfig, fused: int = 0) -> BackwardGridSpec:
             j, i, _ = visit.unpack(visits[t])
             if clamp:                   # run-time lengths: a step past them copies nothing
                 i = q_block(b, j, i, q_lengths, kv_lengths,
-                            chunk=i // per if n > 1 else None)
+                            chunk=div_nonneg(i, per) if n > 1 else None)
             return b, hk * G + g, j, i
 
         def chunk_of(b, hk, t, *a):
-            return visit.unpack(a[-1][t])[1] // per
+            return div_nonneg(visit.unpack(a[-1][t])[1], per)
     elif n > 1:                         # (b, hk, c, j, g, i): i local to chunk c
         def idx(b, hk, c, j, g, i, q_lengths, kv_lengths, offsets=None):
             return b, hk * G + g, j, q_block(b, j, c * per + i, q_lengths, kv_lengths,
