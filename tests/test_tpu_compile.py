@@ -212,9 +212,10 @@ _ESTIMATE_CASES = [
     ("v4", 1024, 1024, {"segments": True}),
     ("v4", 512, 512, {"soft_cap": True, "bias": True}),
     ("v4", 512, 1024, {"mask": True}),
-    ("v4", 512, 512, {"fused": True}),
-    ("v4", 512, 1024, {"fused": True, "T": 8192}),         # v4's fused default at T = 8192
-    ("v5e", 1024, 1024, {"fused": True, "T": 32768}),      # a 16 MiB resident dQ
+    ("v4", 512, 512, {"fused": 1}),
+    ("v4", 512, 1024, {"fused": 1, "T": 8192}),            # v4's fused default at T = 8192
+    ("v4", 512, 1024, {"fused": 4, "T": 32768}),           # and at 32768: dQ in 4 chunks
+    ("v5e", 1024, 1024, {"fused": 1, "T": 32768}),         # a 16 MiB resident dQ
     ("v5e", 2048, 1024, {"soft_cap": True}),
 ]
 
@@ -222,20 +223,21 @@ _ESTIMATE_CASES = [
 @needs_libtpu
 @pytest.mark.tpu_compile
 @pytest.mark.parametrize("chip, bq, bk, opts", _ESTIMATE_CASES,
-                         ids=[f"{c}-{q}x{k}-" + ("-".join(f"{n}{v}" if n == "T" else n
-                                                           for n, v in o.items()) or "plain")
+                         ids=[f"{c}-{q}x{k}-" + ("-".join(f"{n}{v}" if n in ("T", "fused")
+                                                           else n for n, v in o.items())
+                                                           or "plain")
                               for c, q, k, o in _ESTIMATE_CASES])
 def test_the_backward_vmem_estimate_bounds_what_mosaic_allocates(monkeypatch, chip, bq, bk,
                                                                     opts):
     from flashlab.contract.masks import validate
-    from flashlab.kernels import backward
+    from flashlab.kernels import backward, backward_grid
     B, T, N, d = 1, opts.get("T", 2048), 2, 128
     dt = jnp.bfloat16
     need = blk.backward_vmem_bytes(
         bq, bk, d, dt, bias_dtype=dt if opts.get("bias") else None,
         has_mask=bool(opts.get("mask")), has_segments=bool(opts.get("segments")),
         soft_cap=bool(opts.get("soft_cap")), fused=bool(opts.get("fused")),
-        **({"q_len": T} if opts.get("fused") else {}))
+        **({"q_len": T, "q_chunks": opts["fused"]} if opts.get("fused") else {}))
     monkeypatch.setattr(blk, "vmem_limit_bytes", lambda chip=None: need)
     x = jax.ShapeDtypeStruct((B, T, N, d), dt)
     args = [x, x, x, x, jax.ShapeDtypeStruct((B, N, T), jnp.float32), x]
@@ -254,9 +256,9 @@ def test_the_backward_vmem_estimate_bounds_what_mosaic_allocates(monkeypatch, ch
         q, k, v, spec = validate(a[0], a[1], a[2], **{n: a[i] for n, i in extra.items()},
                                  is_causal=True,
                                  logits_soft_cap=30.0 if opts.get("soft_cap") else None)
-        cfg = backward.make_backward_config(spec, block_q=bq, block_k=bk, chip=chip,
-                                            fused=bool(opts.get("fused")))
-        assert (cfg.block_q, cfg.block_k) == (bq, bk)          # the estimate admits them
+        cfg, chunks = backward_grid.resolve_backward(
+            spec, "fused" if opts.get("fused") else "split", block_q=bq, block_k=bk, chip=chip)
+        assert (cfg.block_q, cfg.block_k, chunks) == (bq, bk, opts.get("fused", 0))  # admitted
         return backward.flash_attention_backward(q, k, v, spec, a[3], a[4], a[5], block_q=bq,
                                                  block_k=bk, interpret=False, chip=chip,
                                                  fused=bool(opts.get("fused")))

@@ -184,6 +184,8 @@ def test_init_runs_once_per_row_of_a_visit_grid():
     assert init_runs("flashlab", "dq", (2, 4, 8, 4), **kw) == 2 * 4 * 8
     assert init_runs("flashlab", "dkdv", (2, 4, 4, 1, 8), **kw) == 2 * 4 * 4
     assert init_runs("splash", "dkdv", (4, 4, 8), **kw) == 4 * 4
+    # the fused backward with its dQ in 2 query chunks: each kv row once per chunk
+    assert init_runs("flashlab", "fused", (2, 4, 24, 1), dq_chunks=2, **kw) == 2 * 4 * 4 * 2
 
 
 @needs_libtpu
@@ -273,6 +275,9 @@ def test_the_fused_backwards_dq_zeroing_is_priced_once_per_head():
     zero = bts.resident_zeroing(s, seq_len=8192, block_q=1024, head_dim=128)
     assert zero == 1000
     assert bts.resident_zeroing(s, seq_len=16384, block_q=1024, head_dim=128) == 0
+    # T = 16384 in 2 query chunks: the same 1024 vregs, once per (batch, kv head, chunk)
+    assert bts.resident_zeroing(s, seq_len=16384, block_q=1024, head_dim=128,
+                                dq_chunks=2) == 1000
     c = ts.kernel_cycles(s, steps=100, tiles=50, rows=64, once=2, once_cycles=zero)
     assert c == 100 + 500 + 64 * 25 + 2 * 1000
 

@@ -7,6 +7,8 @@ import json
 import textwrap
 from pathlib import Path
 
+from flashlab.kernels import tuned_blocks
+
 __all__ = ["LIBRARIES", "MATMULS", "ROLE_LABEL", "TARGETS", "update_rows", "best_blocks",
            "target_table", "header", "table", "training_step_table", "stored_backward_before",
            "backward_rows", "OTHERS", "BACKWARD_ROLES", "BACKWARD_VARIANTS",
@@ -208,9 +210,9 @@ def backward_rows(rows) -> list:
             by.setdefault(k, {})[r["kernel"]] = r
     out = []
     for k, parts in by.items():
-        if set(parts) not in ({"dq", "dkdv"}, {"fused"}):
+        if tuned_blocks.whole_backward(parts) is None:
             continue
-        ps = [parts[n] for n in ("dq", "dkdv", "fused") if n in parts]
+        ps = [parts[n] for n in tuned_blocks.whole_backward(parts)]
         first = ps[0]
         r = {f: first.get(f) for f in ("chip", "blocks", "block_q", "block_k", "batch", "heads",
                                          "seq_len", "head_dim", "causal")}

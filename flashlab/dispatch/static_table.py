@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from flashlab.kernels import tuned_blocks
+
 __all__ = ["STORED", "STORED_SHAPES", "KERNELS", "stored", "static_ranking"]
 
 STORED = Path(__file__).resolve().parent.parent / "data" / "tpu_static.json"
@@ -55,10 +57,11 @@ def static_ranking(chip: str, *, blocks: str = "default", path=None):
         return [], f"the stored static run ({STORED.name}) has no {blocks}-block rows for {chip}"
 
     def step(k):              # (kernels, est): a fused backward is one kernel for dQ, dK, dV
-        for kernels in (("forward", "fused"), KERNELS):
-            if all(n in k for n in kernels):
-                return kernels, sum(k[n] for n in kernels)
-        return None
+        parts = tuned_blocks.whole_backward(k)
+        if "forward" not in k or parts is None:
+            return None
+        kernels = ("forward",) + parts
+        return kernels, sum(k[n] for n in kernels)
     full = all(step(k) is not None for k in by.values())
     ranked = sorted(((lib, *step(k)[::-1]) if full else (lib, k["forward"], ("forward",))
                      for lib, k in by.items() if full or "forward" in k), key=lambda t: t[1])

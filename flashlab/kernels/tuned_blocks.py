@@ -28,11 +28,24 @@ from pathlib import Path
 
 from flashlab.kernels.tiling import kernel_head_dim, lane_pad
 
-__all__ = ["TABLE", "KERNELS", "table", "lookup", "class_of", "entries_from_rows",
-           "entries_from_stored", "class_key", "write"]
+__all__ = ["TABLE", "KERNELS", "BACKWARD_PARTS", "whole_backward", "table", "lookup",
+           "class_of", "entries_from_rows", "entries_from_stored", "class_key", "write"]
 
 TABLE = Path(__file__).parent.parent / "data" / "tpu_blocks.json"
 KERNELS = ("forward", "backward")
+#: The kernels of one whole backward, as the static bench names their rows: one fused kernel
+#: (dQ, dK and dV; flashlab's or splash's), or the split's dQ and dK/dV kernels.
+BACKWARD_PARTS = (("fused",), ("dq", "dkdv"))
+
+
+def whole_backward(roles) -> tuple[str, ...] | None:
+    """The kernel roles that make one whole backward among ``roles`` (the measured kernels of
+    one library at one block pair; other roles, e.g. "forward", are ignored): one of
+    :data:`BACKWARD_PARTS`, or ``None`` when the backward roles present are not exactly one
+    of them (half a split, or a fused and a split backward mixed). The one rule the block
+    table, the backend ranking and the bench report's whole-backward rows share."""
+    got = {r for r in roles if r in ("dq", "dkdv", "fused")}
+    return next((p for p in BACKWARD_PARTS if got == set(p)), None)
 
 
 @functools.lru_cache(maxsize=4)
@@ -99,9 +112,11 @@ def entries_from_rows(rows, *, dtype: str, command: str, commit: str, versions: 
         for r in rs:
             k = per.setdefault((r["block_q"], r["block_k"]), {})
             k[r["kernel"]] = min(k.get(r["kernel"], r["est_cycles"]), r["est_cycles"])
-        # a pair's backward: its fused kernel, or its dQ + dK/dV (whichever ran there)
-        tried = {k: v["fused"] if "fused" in v else sum(v.values()) for k, v in per.items()
-                 if set(v) in ({"forward"}, {"fused"}, {"dq", "dkdv"})}
+        tried = {}      # a pair's backward: its fused kernel, or its dQ + dK/dV (what ran)
+        for pair, v in per.items():
+            parts = ("forward",) if kernel == "forward" else whole_backward(v)
+            if parts is not None and set(v) == set(parts):
+                tried[pair] = sum(v[n] for n in parts)
         if not tried:
             continue
         (bq, bk), est = min(tried.items(), key=lambda t: t[1])
