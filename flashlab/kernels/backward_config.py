@@ -26,9 +26,10 @@ __all__ = ["BACKWARDS", "MAX_DQ_CHUNKS", "dq_chunks", "make_backward_config",
 BACKWARDS = ("auto", "split", "fused")
 #: The most query chunks the fused backward splits its resident dQ into when the whole
 #: ``[G, T, d]`` does not fit VMEM (:func:`dq_chunks`). Each chunk re-reads K and V and writes
-#: float32 dK, dV partials ``[B, K, S, d]`` that XLA sums after: at 8 chunks, B=2 K=16
-#: S=32768 d=128, 4 GiB written and read again, against the split's 16 GiB of K, V re-reads
-#: in its dQ kernel alone at 512-blocks. Past 8 the split runs.
+#: float32 dK, dV partials ``[B, K, S, d]`` that XLA sums after (HBM bytes the static
+#: schedule does not see): at 4 chunks, B=2 K=16 S=32768 d=128, 4 GiB written and read
+#: again, against the ~8 GiB of K, V re-reads the split's dQ kernel adds at 1024-blocks.
+#: Past 8 chunks the split runs.
 MAX_DQ_CHUNKS = 8
 
 
