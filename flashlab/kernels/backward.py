@@ -60,10 +60,9 @@ from flashlab.kernels import forward as fwd
 from flashlab.kernels import forward_grid
 from flashlab.kernels import visit
 from flashlab.compat.pallas import pl
-from flashlab.kernels.block_ranges import div_nonneg
 from flashlab.kernels.refs import RefNames, name_refs
 from flashlab.kernels.backward_grid import (
-    BackwardGridSpec, _dbias_order, _full_bias, dbias_config, _q_range, dbias_grid_spec, dkdv_grid_spec, dq_grid_spec, resolve_backward, cost_estimate, D_ROW, LOG2E, LSE_ROW, ForwardConfig)
+    BackwardGridSpec, _dbias_order, _full_bias, dbias_config, _q_range, dbias_grid_spec, dkdv_grid_spec, dq_grid_spec, resolve_backward, cost_estimate, chunk_of_block, D_ROW, LOG2E, LSE_ROW, ForwardConfig)
 
 __all__ = ["flash_attention_backward", "EARLY_DV"]
 
@@ -149,13 +148,11 @@ def _dkdv_kernel(*refs, cfg: ForwardConfig, names: RefNames, fused: int = 0):
     last_g = cfg.group_size - 1
     chunk = 0
     if on_visits:               # (j, i) from the transposed visit list; the G heads innermost
-        t = pl.program_id(2)
-        j, i, first_i, last_i, run = visit.step(ins["visits"][t])
+        j, i, first_i, last_i, run = visit.step(ins["visits"][pl.program_id(2)])
         ranged = cfg.mask_q_len or cfg.mask_kv_len      # listed = positionally visible
-        if chunked:             # chunk after chunk: a chunk opens where the previous differs
-            chunk = div_nonneg(i, per)
-            prev = div_nonneg(visit.unpack(ins["visits"][jnp.maximum(t - 1, 0)])[1], per)
-            opens = jnp.logical_and(g == 0, jnp.logical_or(t == 0, prev != chunk))
+        if chunked:             # chunk after chunk, each listing every kv row from j = 0
+            chunk = chunk_of_block(i, per)
+            opens = jnp.logical_and(jnp.logical_and(first_i, g == 0), j == 0)
     elif chunked:               # (b, hk, c, j, g, i): i local to chunk c
         chunk, j, i_local = pl.program_id(2), pl.program_id(3), pl.program_id(5)
         i = chunk * per + i_local

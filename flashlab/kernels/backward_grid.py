@@ -32,7 +32,7 @@ from flashlab.kernels.backward_config import (  # noqa: F401  (re-exported: one 
 from flashlab.ladder import online_softmax
 
 
-__all__ = ["BACKWARDS", "MAX_DQ_CHUNKS", "dq_chunks", "resolve_backward", "ForwardConfig", "LSE_ROW", "D_ROW", "LOG2E", "BackwardGridSpec", "STATS_LANES", "backward_grid_specs", "dbias_config", "dbias_grid_spec", "dkdv_grid_spec", "dq_grid_spec", "make_backward_config", "prefetch_names", "cost_estimate"]
+__all__ = ["BACKWARDS", "MAX_DQ_CHUNKS", "dq_chunks", "resolve_backward", "ForwardConfig", "LSE_ROW", "D_ROW", "LOG2E", "BackwardGridSpec", "STATS_LANES", "backward_grid_specs", "dbias_config", "dbias_grid_spec", "dkdv_grid_spec", "dq_grid_spec", "make_backward_config", "prefetch_names", "cost_estimate", "chunk_of_block"]
 
 ForwardConfig = forward_config.ForwardConfig
 # The dQ kernel's statistics ``stats [B, N, T, 256]`` float32: lse in lanes [0, 128), D_i in
@@ -129,6 +129,14 @@ def _q_side_operands(cfg, q_map, kv_map, scores_map_for, qseg_map, kvseg_map,
     return names + n2, specs + s2, shapes + sh2
 
 
+def chunk_of_block(i, per: int):
+    """The query chunk of q block ``i >= 0``, ``i // per`` (a shift when ``per``, the q blocks
+    per chunk, is a power of two: one scalar op per grid step instead of a division)."""
+    if per & (per - 1) == 0:
+        return i >> (per.bit_length() - 1)
+    return div_nonneg(i, per)
+
+
 def _q_range(cfg, b, j, q_lengths, kv_lengths, offsets=None):
     q_lengths, kv_lengths = forward_grid.static_lengths(cfg, q_lengths, kv_lengths)
     return blk.q_block_range(j, q_lengths[b], kv_lengths[b], block_q=cfg.block_q,
@@ -176,11 +184,11 @@ def dkdv_grid_spec(cfg: ForwardConfig, fused: int = 0) -> BackwardGridSpec:
             j, i, _ = visit.unpack(visits[t])
             if clamp:                   # run-time lengths: a step past them copies nothing
                 i = q_block(b, j, i, q_lengths, kv_lengths,
-                            chunk=div_nonneg(i, per) if n > 1 else None)
+                            chunk=chunk_of_block(i, per) if n > 1 else None)
             return b, hk * G + g, j, i
 
         def chunk_of(b, hk, t, *a):
-            return div_nonneg(visit.unpack(a[-1][t])[1], per)
+            return chunk_of_block(visit.unpack(a[-1][t])[1], per)
     elif n > 1:                         # (b, hk, c, j, g, i): i local to chunk c
         def idx(b, hk, c, j, g, i, q_lengths, kv_lengths, offsets=None):
             return b, hk * G + g, j, q_block(b, j, c * per + i, q_lengths, kv_lengths,
