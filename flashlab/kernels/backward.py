@@ -60,9 +60,10 @@ from flashlab.kernels import forward as fwd
 from flashlab.kernels import forward_grid
 from flashlab.kernels import visit
 from flashlab.compat.pallas import pl
+from flashlab.kernels.backward_tile import Window, tile as _tile
 from flashlab.kernels.refs import RefNames, name_refs
 from flashlab.kernels.backward_grid import (
-    BackwardGridSpec, _dbias_order, _full_bias, dbias_config, _q_range, dbias_grid_spec, dkdv_grid_spec, dq_grid_spec, resolve_backward, cost_estimate, chunk_of_block, D_ROW, LOG2E, LSE_ROW, ForwardConfig)
+    BackwardGridSpec, _dbias_order, _full_bias, dbias_config, _q_range, dbias_grid_spec, dkdv_grid_spec, dq_grid_spec, resolve_backward, cost_estimate, chunk_of_block, quarter_tiles, quarters_seen, D_ROW, LOG2E, LSE_ROW, ForwardConfig)
 
 __all__ = ["flash_attention_backward", "EARLY_DV"]
 
@@ -74,56 +75,6 @@ __all__ = ["flash_attention_backward", "EARLY_DV"]
 EARLY_DV = frozenset({("v5e", True), ("v5p", True)})
 
 # ----------------------------------------------------------------------------- the kernels
-
-def _tile(ins, cfg: ForwardConfig, q_start, k_start, q_len, kv_len, *, transposed=False,
-          use_p=None):
-    """Recompute one tile: ``(P, dS, dS')`` float32, ``[B_r, B_c]`` or ``[B_c, B_r]``.
-
-    ``dS = P ∘ (dP − D)`` is the gradient w.r.t. the logits after the soft cap and bias (so
-    it is dBias); ``dS'`` is w.r.t. ``scale·q·k`` (through the soft cap's ``1 − tanh²``).
-
-    ``transposed`` (the dK/dV kernel): ``Sᵀ = K Qᵀ`` directly, as splash does, so
-    ``dV = Pᵀ dO`` and ``dK = dS'ᵀ Q`` are plain matmuls with no transpose of P or dS on the
-    XLU; a bias or dense-mask block ``[B_r, B_c]`` is transposed once in VMEM, and lse, D_i
-    are rows ``[1, B_r]`` of ``stats_t`` (a sublane broadcast). Otherwise (dQ, dBias) they
-    are lane-replicated ``stats`` tiled to ``[B_r, B_c]``: whole vregs reused, no lane
-    broadcast. The logits are kept in log2 units (``log2(e)`` folded into the scale, the
-    bias and the wrapper's lse), so ``P = exp2(S₂ − lse₂)`` costs no multiply per score.
-    One mask definition: :func:`masks.structural_visible` on (transposed) positions.
-    ``use_p(P)``: called as soon as P exists, before ``dP`` (the dK/dV kernel's early dV,
-    :data:`EARLY_DV`).
-    """
-    q, k, v, do = ins["q"][...], ins["k"][...], ins["v"][...], ins["do"][...]
-    bk, L = cfg.block_k, blk.LANES
-    nt = (((1,), (1,)), ((), ()))                                 # A Bᵀ
-    orient = (lambda x: x.T) if transposed else (lambda x: x)     # noqa: E731
-    s = jax.lax.dot_general(*((k, q) if transposed else (q, k)), nt,
-                            preferred_element_type=jnp.float32)
-    t = None
-    if cfg.soft_cap is None:
-        s = s * (cfg.scale * LOG2E)
-    else:
-        t = jnp.tanh(s * (cfg.scale / cfg.soft_cap))
-        s = (cfg.soft_cap * LOG2E) * t
-    if "bias" in ins:
-        s = s + orient(fwd.scores_block(ins, "bias", cfg)) * LOG2E
-    visible = fwd.tile_visible(ins, cfg, q_start, k_start, q_len, kv_len,
-                               transposed=transposed)
-    if transposed:
-        lse, di = ins["stats_t"][LSE_ROW:LSE_ROW + 1, :], ins["stats_t"][D_ROW:D_ROW + 1, :]
-    else:
-        lse = jnp.tile(ins["stats"][:, :L], (1, bk // L))
-        di = jnp.tile(ins["stats"][:, L:], (1, bk // L))
-    if visible is not None:                                       # None: nothing masked
-        s = jnp.where(visible, s, -jnp.inf)
-    p = jnp.exp2(s - lse)                                         # masked: exp2(-inf) = 0
-    if use_p is not None:
-        use_p(p)
-    dp = jax.lax.dot_general(*((v, do) if transposed else (do, v)), nt,
-                             preferred_element_type=jnp.float32)
-    ds = p * (dp - di)
-    return p, ds, (ds if t is None else ds * (1.0 - t * t))
-
 
 def _dkdv_kernel(*refs, cfg: ForwardConfig, names: RefNames, fused: int = 0):
     """Step ``(b, hk, j, g, i)`` (or ``(b, hk, t, g)`` of the visit grid): dV_j += P_ijᵀ dO_i,
@@ -181,30 +132,66 @@ def _dkdv_kernel(*refs, cfg: ForwardConfig, names: RefNames, fused: int = 0):
         def _zero_dq():
             dq_ref[...] = jnp.zeros(dq_ref.shape, jnp.float32)
 
-    @pl.when(run)
-    def _compute():
-        def add_dv(p_t):                                           # dV_j += P_ijᵀ dO_i
-            do = ins["do"][...]
-            dv_acc[...] += jnp.dot(p_t.astype(do.dtype), do, preferred_element_type=jnp.float32)
-        early = (cfg.chip, cfg.masks_tile) in EARLY_DV
-        p_t, _, ds_t = _tile(ins, cfg, *forward_grid.global_starts(
-            offsets_ref, i * cfg.block_q, j * cfg.block_k, q_len, kv_len), transposed=True,
-            use_p=add_dv if early else None)
-        q = ins["q"][...]
-        if not early:
-            add_dv(p_t)
-        dk_acc[...] += jnp.dot(ds_t.astype(q.dtype), q, preferred_element_type=jnp.float32)
-        if fused:                                      # dQ_i += dS'ᵀᵀ K_j: [B_r, d]
-            start = (i - chunk * per) * cfg.block_q if chunked else i * cfg.block_q
-            rows = pl.ds(pl.multiple_of(start, cfg.block_q), cfg.block_q)
-            dq_ref[g, rows, :] += jax.lax.dot_general(
-                ds_t.astype(q.dtype), ins["k"][...], (((0,), (0,)), ((), ())),
-                preferred_element_type=jnp.float32)
+    def step(sub=None):
+        starts = forward_grid.global_starts(offsets_ref, i * cfg.block_q, j * cfg.block_k,
+                                            q_len, kv_len)
+        dq_row = ((i - chunk * per) if chunked else i) * cfg.block_q  # q block i's dq rows
+        _dkdv_tile(ins, cfg, starts, dq_row if fused else None, g, sub)
+
+    if fused and quarter_tiles(cfg):
+        # A tile the causal diagonal crosses runs as its 2 x 2 sub-tiles, each behind its own
+        # pl.when: the ones above the diagonal (a quarter of it at B_r = B_c) never run.
+        seen = quarters_seen(cfg, i * cfg.block_q, j * cfg.block_k)      # no offsets here
+        every = functools.reduce(jnp.logical_and, seen)
+
+        @pl.when(jnp.logical_and(run, jnp.logical_not(every)))
+        def _partial():
+            for n, sub in enumerate(((0, 0), (0, 1), (1, 0), (1, 1))):
+                pl.when(seen[n])(functools.partial(step, sub))
+
+        run = jnp.logical_and(run, every)
+    pl.when(run)(step)
 
     @pl.when(last)
     def _write():       # scale once per row; chunked: the chunk's float32 partial
         dk_ref[...] = (dk_acc[...] * cfg.scale).astype(dk_ref.dtype)
         dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
+
+
+def _dkdv_tile(ins, cfg: ForwardConfig, starts, dq_row, g, sub=None):
+    """One dK/dV step's tile: ``dV_j += P_ijᵀ dO_i``, ``dK_j += dS'_ijᵀ Q_i`` into the
+    accumulators, and with ``dq_row`` (the fused kernel: q block i's first row in its dQ
+    block) ``dQ_i += dS'_ij K_j`` into head ``g``'s rows. ``sub``: ``(kv half, q half)``, one
+    sub-tile ``[B_c / 2, B_r / 2]`` of it instead (:func:`quarter_tiles`)."""
+    dk_acc, dv_acc = ins["dk_acc"], ins["dv_acc"]
+    acc, view, tcfg, k0, q0 = (...), ins, cfg, 0, 0
+    if sub is not None:                 # the sub-tile's rows of K, V and of Q, dO, stats_t
+        hk, hq = cfg.block_k // 2, cfg.block_q // 2
+        k0, q0 = sub[0] * hk, sub[1] * hq
+        acc, qs = (pl.ds(k0, hk), slice(None)), pl.ds(q0, hq)
+        view = dict(ins, q=Window(ins["q"], qs), do=Window(ins["do"], qs),
+                    k=Window(ins["k"], acc[0]), v=Window(ins["v"], acc[0]),
+                    stats_t=Window(ins["stats_t"], cols=qs))
+        tcfg = dataclasses.replace(cfg, block_q=hq, block_k=hk)
+
+    def add_dv(p_t):                                               # dV_j += P_ijᵀ dO_i
+        do = view["do"][...]
+        dv_acc[acc] += jnp.dot(p_t.astype(do.dtype), do, preferred_element_type=jnp.float32)
+    early = (cfg.chip, cfg.masks_tile) in EARLY_DV
+    if sub is not None:
+        starts = (starts[0] + q0, starts[1] + k0, *starts[2:])
+    p_t, _, ds_t = _tile(view, tcfg, *starts, transposed=True,
+                         use_p=add_dv if early else None)
+    q = view["q"][...]
+    if not early:
+        add_dv(p_t)
+    dk_acc[acc] += jnp.dot(ds_t.astype(q.dtype), q, preferred_element_type=jnp.float32)
+    if dq_row is not None:                             # dQ_i += dS'ᵀᵀ K_j: [B_r, d]
+        rows = pl.ds(pl.multiple_of(dq_row + q0 if sub else dq_row, tcfg.block_q),
+                     tcfg.block_q)
+        ins["dq"][g, rows, :] += jax.lax.dot_general(
+            ds_t.astype(q.dtype), view["k"][...], (((0,), (0,)), ((), ())),
+            preferred_element_type=jnp.float32)
 
 
 def _dq_kernel(*refs, cfg: ForwardConfig, names: RefNames, has_ds):
