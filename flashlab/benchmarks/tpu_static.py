@@ -90,8 +90,10 @@ def resident_zeroing(s, *, seq_len: int, block_q: int, head_dim: int, dq_chunks:
 
 def _row(k: tpu_dump.KernelDump, blocks, *, chip, library, mode, batch, seq_len, heads,
          head_dim, causal, timeline, chunk_visits=(0, 0), dq_chunks=1) -> dict:
-    """One bench row from a kernel's schedule. ``chunk_visits``: the forward's partial tiles
-    and the row chunks they run, per (batch, head) (:meth:`ForwardConfig.chunk_visits`);
+    """One bench row from a kernel's schedule. ``chunk_visits``: the partial tiles and the
+    chunks they run, per (batch, head): the forward's row chunks
+    (:meth:`ForwardConfig.chunk_visits`), the fused backward's sub-tiles
+    (:func:`backward_config.quarter_visits`);
     ``dq_chunks``: the fused backward's query chunks (:func:`backward_config.dq_chunks`)."""
     from flashlab.benchmarks.backends import attention_flops
     from flashlab.instruments import tpu_schedule
@@ -203,8 +205,9 @@ def measure(*, chips, libraries=LIBRARIES, modes=("default", "equal"), block=512
                 if role == "dkdv" and d.info["blocks"].get("fused"):
                     role = "fused"         # one kernel for dQ, dK and dV (ours or splash's)
                 if role in kernels and (role == "forward") != bwd:
-                    per_head = d.info["blocks"].get("chunk_visits", (0, 0)) if (
-                        role == "forward") else (0, 0)
+                    per_head = d.info["blocks"].get(     # partial tiles, their chunks
+                        {"forward": "chunk_visits", "fused": "fused_chunk_visits"}.get(
+                            role, ""), (0, 0))
                     k = dataclasses.replace(k, role=role)
                     rows.append(_row(k, blocks, chip=c, library=lib, mode=m,
                                      causal=causal, timeline=(c == timeline_chip and m == "equal"),
