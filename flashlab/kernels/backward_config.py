@@ -16,7 +16,8 @@ from flashlab.kernels import blocks as blk
 from flashlab.kernels import forward_config
 from flashlab.kernels.forward_config import ForwardConfig
 
-__all__ = ["BACKWARDS", "MAX_DQ_CHUNKS", "QUARTER_MIN_BLOCK", "dq_chunks",
+__all__ = ["BACKWARDS", "MAX_DQ_CHUNKS", "QUARTER_MIN_BLOCK_K", "QUARTER_MIN_BLOCK_Q",
+           "dq_chunks",
            "make_backward_config", "resolve_backward", "quarter_tiles", "quarters_seen",
            "quarter_visits"]
 
@@ -128,18 +129,21 @@ def resolve_backward(spec: AttentionSpec, backward: str = "auto", *, block_q=Non
 
 #: The fused kernel runs a causal tile that the diagonal crosses as its 2 x 2 sub-tiles
 #: (halves of B_c by halves of B_r) and skips the ones above the diagonal (a quarter of a
-#: diagonal tile when B_r = B_c), where both blocks are at least this big: sub-tiles of
-#: 512 x 512 and more keep the MXUs as busy as a whole tile (chapter 07 measures it).
-QUARTER_MIN_BLOCK = 1024
+#: diagonal tile at B_r = B_c, half of one at B_r = B_c / 2), where B_c and B_r are at least
+#: these: on the static schedule (jax 0.12.0.1 / libtpu 0.0.50.1, d = 128 bf16) a 512 x 512
+#: sub-tile costs v5e 2764 cycles against 10443 for the 1024² tile it is a quarter of, and a
+#: 256 x 512 one 1680 on v4 against 5740 for 512 x 1024; a 256 x 256 one costs 1306 on v5e
+#: against 2764 for the whole 512² tile, so three of them lose.
+QUARTER_MIN_BLOCK_K, QUARTER_MIN_BLOCK_Q = 1024, 512
 
 
 def quarter_tiles(cfg: ForwardConfig) -> bool:
     """Whether the fused backward runs tiles the causal diagonal crosses as sub-tiles
-    (:data:`QUARTER_MIN_BLOCK`): causal, no window, offsets, bias, mask or segment ids (the
+    (:data:`QUARTER_MIN_BLOCK_K`): causal, no window, offsets, bias, mask or segment ids (the
     sub-tiles are cut from the position mask alone)."""
     return (cfg.is_causal and cfg.window is None and not cfg.has_offsets
             and cfg.bias_bcast is None and cfg.mask_bcast is None and not cfg.has_segments
-            and min(cfg.block_q, cfg.block_k) >= QUARTER_MIN_BLOCK)
+            and cfg.block_k >= QUARTER_MIN_BLOCK_K and cfg.block_q >= QUARTER_MIN_BLOCK_Q)
 
 
 def quarters_seen(cfg: ForwardConfig, q_start, k_start) -> list:
