@@ -48,9 +48,11 @@ def build(*, chip: str, fused: bool, batch: int, seq_len: int, heads: int, head_
     return f, (x, x, x, x)
 
 
-def _blocks(chip, fused, *, batch, seq_len, heads, head_dim, causal, block):
-    """The (block_q, block_k) the backward resolves ``block`` to (a fused backward whose
-    resident dQ does not fit at ``block`` takes smaller blocks, or raises ``ValueError``)."""
+def _resolved(chip, fused, *, batch, seq_len, heads, head_dim, causal, block):
+    """``(block_q, block_k, dq_chunks, (partial tiles, sub-tiles))`` of the backward ``block``
+    resolves to (a fused backward whose resident dQ does not fit at ``block`` chunks it or
+    takes smaller blocks, or raises ``ValueError``; the sub-tiles per (batch, head) of the
+    tiles the causal diagonal crosses, :func:`backward_config.quarter_visits`)."""
     import jax
     import jax.numpy as jnp
     from flashlab.contract import masks
@@ -59,9 +61,9 @@ def _blocks(chip, fused, *, batch, seq_len, heads, head_dim, causal, block):
     spec = jax.eval_shape(lambda q, k, v: masks.validate(q, k, v, None, None,
                                                          is_causal=causal)[3], x, x, x)
     bq, bk = (block, block) if isinstance(block, int) else block
-    c = backward_grid.make_backward_config(spec, block_q=bq, block_k=bk, chip=chip,
-                                           fused=fused)
-    return c.block_q, c.block_k
+    c, n = backward_grid.resolve_backward(spec, "fused" if fused else "split", block_q=bq,
+                                          block_k=bk, chip=chip)
+    return c.block_q, c.block_k, n, backward_grid.quarter_visits(c) if n else (0, 0)
 
 
 def measure(*, chips, batch=2, seq_len=8192, heads=16, head_dim=128, causal=True, block=512,
@@ -71,7 +73,9 @@ def measure(*, chips, batch=2, seq_len=8192, heads=16, head_dim=128, causal=True
     rows, versions = [], {}
     for chip in chips:
         for fused in (False, True):
-            bq, bk = _blocks(chip, fused, causal=causal, block=block, **shape)
+            bq, bk, chunks, quarters = _resolved(chip, fused, causal=causal, block=block,
+                                                 **shape)
+            partial, subs = (batch * heads * x for x in quarters)
             tiles = batch * heads * _visible_tiles(seq_len, bq, bk, causal)
             d = tpu_dump.schedules("flashlab.benchmarks.backward_fused:build", chip, timeout=timeout,
                                    fused=fused, causal=causal, block=block, **shape)
@@ -81,14 +85,17 @@ def measure(*, chips, batch=2, seq_len=8192, heads=16, head_dim=128, causal=True
                 if role == "forward":
                     continue
                 s = k.schedule
-                zero = (resident_zeroing(s, seq_len=seq_len, block_q=bq, head_dim=head_dim)
-                        if fused else 0)
+                role = "fused" if fused else k.role
+                zero = (resident_zeroing(s, seq_len=seq_len, block_q=bq, head_dim=head_dim,
+                                         dq_chunks=chunks) if fused else 0)
                 c = tpu_schedule.kernel_cycles(s, steps=math.prod(k.grid), tiles=tiles,
-                                               rows=init_runs("flashlab", k.role, k.grid,
+                                               rows=init_runs("flashlab", role, k.grid,
                                                               batch=batch, heads=heads,
                                                               seq_len=seq_len, block_q=bq,
-                                                              block_k=bk),
-                                               once=batch * heads if zero else 0,
+                                                              block_k=bk, dq_chunks=chunks),
+                                               partial=partial if fused else 0,
+                                               partial_chunks=subs if fused else 0,
+                                               once=batch * heads * chunks if zero else 0,
                                                once_cycles=zero)
                 kernels[k.name] = dict(grid=list(k.grid), tile_cycles=s.tile_cycles,
                                        step_cycles=s.step_cycles, init_cycles=s.init_cycles,
@@ -101,7 +108,8 @@ def measure(*, chips, batch=2, seq_len=8192, heads=16, head_dim=128, causal=True
             rows.append(dict(chip=chip, option="fused" if fused else "split", kernels=kernels,
                              block_q=bq, block_k=bk,
                              est_cycles=est, est_ms=est / hz * 1e3 if hz else None,
-                             resident_dq_bytes=t_pad * head_dim * 4 if fused else 0))
+                             dq_chunks=chunks, sub_tiles=[partial, subs],
+                             resident_dq_bytes=t_pad * head_dim * 4 // max(chunks, 1)))
     for r in rows:
         split = [x for x in rows if x["chip"] == r["chip"] and x["option"] == "split"][0]
         r["ratio_split"] = r["est_cycles"] / split["est_cycles"]
