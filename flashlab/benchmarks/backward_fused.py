@@ -109,7 +109,7 @@ def measure(*, chips, batch=2, seq_len=8192, heads=16, head_dim=128, causal=True
                              block_q=bq, block_k=bk,
                              est_cycles=est, est_ms=est / hz * 1e3 if hz else None,
                              dq_chunks=chunks, sub_tiles=[partial, subs],
-                             resident_dq_bytes=t_pad * head_dim * 4 // max(chunks, 1)))
+                             resident_dq_bytes=t_pad * head_dim * 4 // chunks if chunks else 0))
     for r in rows:
         split = [x for x in rows if x["chip"] == r["chip"] and x["option"] == "split"][0]
         r["ratio_split"] = r["est_cycles"] / split["est_cycles"]

@@ -54,9 +54,9 @@ def make_backward_config(spec: AttentionSpec, *, block_q=None, block_k=None,
     :func:`blocks.choose_backward_block_sizes` for ``chip`` (``None``: the compile target,
     :func:`blocks.resolve_chip`). ``block_q`` is rounded up to a multiple of 128: the dK/dV
     kernel computes the transposed tile ``Sᵀ [B_c, B_r]``, where B_r is the lane dim.
-    ``fused``: prefer blocks beside which the fused backward's whole resident float32 dQ
-    fits; where none do, the split's blocks (the fused kernel then chunks its dQ,
-    :func:`dq_chunks`).
+    ``fused``: blocks beside which the fused backward's resident float32 dQ fits, whole or in
+    at most :data:`MAX_DQ_CHUNKS` query chunks (:func:`dq_chunks`); the default ones hold the
+    whole dQ where some do, else they are the split's.
     ``visit_grid``: as in :func:`forward_config.make_config` (``None``: where it skips enough
     steps to pay, :data:`forward_config.VISIT_MAX_SHARE`).
     """
@@ -68,16 +68,25 @@ def make_backward_config(spec: AttentionSpec, *, block_q=None, block_k=None,
                                                      chip, is_causal=spec.is_causal,
                                                      **choose_kw)
     if fused and not blk._backward_fits(auto_q, auto_k, spec.head_dim, dt, chip, **kw):
-        return make_backward_config(spec, block_q=block_q, block_k=block_k, chip=chip,
-                                    visit_grid=visit_grid)
+        split_kw = {k: v for k, v in _vmem_kw(spec, False).items() if k != "q_len"}
+        auto_q, auto_k = blk.choose_backward_block_sizes(    # no whole dQ fits: chunk it
+            spec.q_len, spec.kv_len, spec.head_dim, dt, chip, is_causal=spec.is_causal,
+            **split_kw)
     auto_q = blk.round_up(auto_q, blk.LANES)
     bq = auto_q if block_q is None else blk.round_up(block_q, blk.LANES)
     bk = auto_k if block_k is None else block_k
-    kw = _vmem_kw(spec, False)          # the fused kernel's dQ is chunked where it must be
-    if not blk._backward_fits(bq, bk, spec.head_dim, dt, chip, **kw):
+    if not any(blk._backward_fits(bq, bk, spec.head_dim, dt, chip, q_chunks=n, **kw)
+               for n in _chunk_counts(spec.q_len, bq, fused)):
         bq, bk = auto_q, auto_k
     return forward_config.make_config(spec, block_q=bq, block_k=bk, chip=chip,
                                       visit_grid=visit_grid, backward_blocks=True)
+
+
+def _chunk_counts(q_len: int, block_q: int, fused: bool) -> list[int]:
+    """The query-chunk counts a fused backward may split its dQ into at ``block_q`` (the
+    divisors of its q-block count up to :data:`MAX_DQ_CHUNKS`); ``[1]`` for the split."""
+    nq = -(-q_len // block_q)
+    return [n for n in range(1, MAX_DQ_CHUNKS + 1) if nq % n == 0] if fused else [1]
 
 
 def dq_chunks(spec: AttentionSpec, cfg: ForwardConfig) -> int:
@@ -86,12 +95,9 @@ def dq_chunks(spec: AttentionSpec, cfg: ForwardConfig) -> int:
     whose ``[G, T / n, d]`` float32 block fits VMEM beside the tiles
     (:func:`blocks.backward_vmem_bytes`); 1 is the whole sequence; 0: none fits."""
     kw = _vmem_kw(spec, True)
-    for n in range(1, MAX_DQ_CHUNKS + 1):
-        if cfg.num_q_blocks % n == 0 and blk._backward_fits(
-                cfg.block_q, cfg.block_k, spec.head_dim, jnp.dtype(spec.dtype), cfg.chip,
-                q_chunks=n, **kw):
-            return n
-    return 0
+    return next((n for n in _chunk_counts(spec.q_len, cfg.block_q, True)
+                 if blk._backward_fits(cfg.block_q, cfg.block_k, spec.head_dim,
+                                       jnp.dtype(spec.dtype), cfg.chip, q_chunks=n, **kw)), 0)
 
 
 def resolve_backward(spec: AttentionSpec, backward: str = "auto", *, block_q=None,
