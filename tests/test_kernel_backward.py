@@ -195,6 +195,59 @@ def test_fused_backward_resident_dq_on_both_grids(visit):
         assert np.abs(np.asarray(g) - r).max() / scale <= F32_RTOL, label
 
 
+@pytest.mark.parametrize("visit,chunks,interpret", [
+    (True, 1, "generic"), (False, 1, "generic"), (True, 3, "generic"), (False, 3, "generic"),
+    (True, 1, "tpu")], ids=["visit", "dense", "visit-chunks", "dense-chunks", "tpu-interpret"])
+def test_fused_backward_runs_diagonal_tiles_as_sub_tiles(monkeypatch, visit, chunks,
+                                                         interpret):
+    """A causal tile the diagonal crosses runs as its visible 2 x 2 sub-tiles (here 128 x 128
+    of 256-blocks: the real threshold, B_c >= 1024 and B_r >= 512, is too big to interpret),
+    on both grids, with dQ whole and in 3 query chunks, GQA (G = 2), T = 700 padded to 768;
+    in TPU interpret mode too (race detector on). The float64 oracle's gradients."""
+    from flashlab.kernels import backward, backward_config
+    monkeypatch.setattr(backward_config, "QUARTER_MIN_BLOCK_K", 256)
+    monkeypatch.setattr(backward_config, "QUARTER_MIN_BLOCK_Q", 256)
+    rng = np.random.default_rng(29)
+    B, T, N, K, H = 1, 700, 2, 1, 64
+    q, k, v = random_qkv(rng, B, T, T, N, K, H)
+    dout = rng.standard_normal((B, T, N, H)).astype(np.float32)
+    q_, k_, v_, spec = validate(*(jnp.asarray(x) for x in (q, k, v)), None, None,
+                                is_causal=True)
+    out, lse = flash_attention_forward(q_, k_, v_, spec, block_q=256, block_k=256,
+                                       interpret=True)
+    cfg = make_backward_config(spec, block_q=256, block_k=256, visit_grid=visit)
+    assert backward_config.quarter_tiles(cfg)
+    assert backward_config.quarter_visits(cfg) == (3, 9)        # 3 diagonal tiles, 3 each
+    mode = device.tpu_interpret_params() if interpret == "tpu" else True
+    got = backward._backward(q_, k_, v_, spec, out, lse, jnp.asarray(dout), cfg=cfg,
+                             interpret=mode, fused=chunks)[:3]
+    ref = oracle_grads(q, k, v, dout, {"is_causal": True})
+    scale = max(np.abs(r).max() for r in ref)
+    for label, g, r in zip(("dq", "dk", "dv"), got, ref):
+        assert np.abs(np.asarray(g) - r).max() / scale <= F32_RTOL, label
+    if interpret == "tpu":
+        assert compat.races_found() is False
+
+
+def test_sub_tiles_only_where_they_pay():
+    """Sub-tiles at B_c >= 1024 and B_r >= 512 on a causal mask from positions alone: T = 2048
+    at 1024² runs its 2 diagonal tiles as 3 sub-tiles each, at 512 x 1024 the 2 tiles whose
+    lower half sees nothing as 2; 512² and 1024 x 512 keep whole tiles, and so does a window."""
+    from flashlab.kernels import backward_config
+    spec = _abstract_spec(2048)
+    visits = {}
+    for bq, bk in ((1024, 1024), (512, 1024), (512, 512), (1024, 512)):
+        cfg = make_backward_config(spec, block_q=bq, block_k=bk, chip="v5e")
+        visits[bq, bk] = backward_config.quarter_visits(cfg)
+    assert visits == {(1024, 1024): (2, 6), (512, 1024): (2, 4), (512, 512): (0, 0),
+                      (1024, 512): (0, 0)}
+    x = jax.ShapeDtypeStruct((1, 2048, 1, 128), jnp.bfloat16)
+    windowed = jax.eval_shape(lambda q, k, v: validate(q, k, v, None, None, is_causal=True,
+                                                       local_window_size=(256, 0))[3], x, x, x)
+    cfg = make_backward_config(windowed, block_q=1024, block_k=1024, chip="v5e")
+    assert not backward_config.quarter_tiles(cfg)
+
+
 def _abstract_spec(T, *, heads=1, kv_heads=1, d=128):
     x = jax.ShapeDtypeStruct((1, T, heads, d), jnp.bfloat16)
     y = jax.ShapeDtypeStruct((1, T, kv_heads, d), jnp.bfloat16)
