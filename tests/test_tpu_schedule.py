@@ -293,3 +293,19 @@ def test_fused_vs_split_table_reads_both_backwards_at_one_pair():
     (line,) = rep.fused_vs_split_table(rows).splitlines()[1:]
     assert line.split() == ["v5e", "14", "10", "7.00", "5.00", "0.71", "5.50", "(fused)",
                             "512", "MiB"]      # 8 kv blocks x [2, 16, 8192, 128] bf16
+
+
+def test_sub_tile_table_prices_the_diagonal_tile_by_its_sub_tiles():
+    """Before: the whole tile; after: the partial path's own cycles + the sub-tiles it runs
+    on average (3 of 4 at 1024², B_r = B_c), set against splash's fused backward."""
+    from flashlab.benchmarks import tpu_static_report as rep
+    base = dict(chip="v5e", kernel="fused", block_q=1024, block_k=1024, library="flashlab")
+    before = [dict(base, tile_cycles=10443, step_cycles=428, est_ms=8.42)]
+    after = [dict(base, tile_cycles=10443, step_cycles=441, est_ms=8.07, partial_tiles=256,
+                  partial_chunks=768, partial_overhead_cycles=14, chunk_cycles=2764.0),
+             dict(base, library="splash_fused", tile_cycles=10528, step_cycles=407,
+                  est_ms=8.69)]
+    line = rep.sub_tile_table(before, after).splitlines()[1].split()
+    assert line[:2] == ["v5e", "1024x1024"]
+    assert line[2:5] == ["10443", ">", str(14 + 3 * 2764)]
+    assert line[-1] == f"{8.07 / 8.69:.2f}"
