@@ -165,6 +165,28 @@ def test_fused_backward_option_matches_the_oracle():
         flash_attention_backward(q_, k_, v_, spec, out, lse, jnp.asarray(dout), fused="yes")
 
 
+def _assert_matches_oracle(got, q, k, v, dout, kw):
+    """``got`` (dq, dk, dv[, dbias]) within float32 tolerance of the float64 oracle's, relative
+    to the largest oracle gradient."""
+    ref = oracle_grads(q, k, v, dout, kw)
+    scale = max(np.abs(r).max() for r in ref)
+    for label, g, r in zip(("dq", "dk", "dv", "dbias"), got, ref):
+        assert np.abs(np.asarray(g) - r).max() / scale <= F32_RTOL, label
+
+
+def _causal_case(seed, B, T, N, K, H, block):
+    """Random causal inputs and the forward's residuals: ``(q, k, v, dout, (q_, k_, v_,
+    spec, out, lse))``, the NumPy inputs and what the backward kernels take."""
+    rng = np.random.default_rng(seed)
+    q, k, v = random_qkv(rng, B, T, T, N, K, H)
+    dout = rng.standard_normal((B, T, N, H)).astype(np.float32)
+    q_, k_, v_, spec = validate(*(jnp.asarray(x) for x in (q, k, v)), None, None,
+                                is_causal=True)
+    out, lse = flash_attention_forward(q_, k_, v_, spec, block_q=block, block_k=block,
+                                       interpret=True)
+    return q, k, v, dout, (q_, k_, v_, spec, out, lse)
+
+
 @pytest.mark.parametrize("visit", [True, False], ids=["visit-grid", "dense-grid"])
 def test_fused_backward_resident_dq_on_both_grids(visit):
     """The fused kernel adds each tile's ``dS'ᵀᵀ K_j`` into rows ``i`` of head ``g`` of one
@@ -173,14 +195,7 @@ def test_fused_backward_resident_dq_on_both_grids(visit):
     visit grid and the dense grid; the oracle's gradients to float32 tolerance."""
     from flashlab.kernels import backward
     from flashlab.kernels.backward_grid import dkdv_grid_spec
-    rng = np.random.default_rng(21)
-    B, T, N, K, H = 2, 200, 4, 2, 64
-    q, k, v = random_qkv(rng, B, T, T, N, K, H)
-    dout = rng.standard_normal((B, T, N, H)).astype(np.float32)
-    q_, k_, v_, spec = validate(*(jnp.asarray(x) for x in (q, k, v)), None, None,
-                                is_causal=True)
-    out, lse = flash_attention_forward(q_, k_, v_, spec, block_q=128, block_k=128,
-                                       interpret=True)
+    q, k, v, dout, (q_, k_, v_, spec, out, lse) = _causal_case(21, 2, 200, 4, 2, 64, 128)
     cfg = make_backward_config(spec, block_q=128, block_k=128, fused=True, visit_grid=visit)
     gs = dkdv_grid_spec(cfg, fused=True)
     assert len(gs.grid) == (4 if visit else 5) and "dq" in gs.out_names
@@ -189,10 +204,7 @@ def test_fused_backward_resident_dq_on_both_grids(visit):
     assert set(gs.dimension_semantics[2:]) == {"arbitrary"}        # dQ carries across j
     got = backward._backward(q_, k_, v_, spec, out, lse, jnp.asarray(dout), cfg=cfg,
                              interpret=True, fused=True)[:3]
-    ref = oracle_grads(q, k, v, dout, {"is_causal": True})
-    scale = max(np.abs(r).max() for r in ref)
-    for label, g, r in zip(("dq", "dk", "dv"), got, ref):
-        assert np.abs(np.asarray(g) - r).max() / scale <= F32_RTOL, label
+    _assert_matches_oracle(got, q, k, v, dout, {"is_causal": True})
 
 
 @pytest.mark.parametrize("visit,chunks,interpret", [
@@ -207,24 +219,14 @@ def test_fused_backward_runs_diagonal_tiles_as_sub_tiles(monkeypatch, visit, chu
     from flashlab.kernels import backward, backward_config
     monkeypatch.setattr(backward_config, "QUARTER_MIN_BLOCK_K", 256)
     monkeypatch.setattr(backward_config, "QUARTER_MIN_BLOCK_Q", 256)
-    rng = np.random.default_rng(29)
-    B, T, N, K, H = 1, 700, 2, 1, 64
-    q, k, v = random_qkv(rng, B, T, T, N, K, H)
-    dout = rng.standard_normal((B, T, N, H)).astype(np.float32)
-    q_, k_, v_, spec = validate(*(jnp.asarray(x) for x in (q, k, v)), None, None,
-                                is_causal=True)
-    out, lse = flash_attention_forward(q_, k_, v_, spec, block_q=256, block_k=256,
-                                       interpret=True)
+    q, k, v, dout, (q_, k_, v_, spec, out, lse) = _causal_case(29, 1, 700, 2, 1, 64, 256)
     cfg = make_backward_config(spec, block_q=256, block_k=256, visit_grid=visit)
     assert backward_config.quarter_tiles(cfg)
     assert backward_config.quarter_visits(cfg) == (3, 9)        # 3 diagonal tiles, 3 each
     mode = device.tpu_interpret_params() if interpret == "tpu" else True
     got = backward._backward(q_, k_, v_, spec, out, lse, jnp.asarray(dout), cfg=cfg,
                              interpret=mode, fused=chunks)[:3]
-    ref = oracle_grads(q, k, v, dout, {"is_causal": True})
-    scale = max(np.abs(r).max() for r in ref)
-    for label, g, r in zip(("dq", "dk", "dv"), got, ref):
-        assert np.abs(np.asarray(g) - r).max() / scale <= F32_RTOL, label
+    _assert_matches_oracle(got, q, k, v, dout, {"is_causal": True})
     if interpret == "tpu":
         assert compat.races_found() is False
 

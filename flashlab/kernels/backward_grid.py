@@ -385,12 +385,8 @@ def cost_estimate(gs: BackwardGridSpec, kernel: str):
     """The ``pl.CostEstimate`` of one backward kernel (``kernel``: "dkdv", "dq" or "dbias"):
     FLOPs, exps and HBM bytes counting only the computed tiles (static skipping)."""
     cfg = gs.config
-    visible = blk.num_visible_blocks(cfg.num_q_blocks, cfg.num_kv_blocks, q_len=cfg.q_len_p,
-                                     kv_len=cfg.kv_len, block_q=cfg.block_q, block_k=cfg.block_k,
-                                     is_causal=cfg.is_causal and not cfg.has_offsets,
-                                     window=None if cfg.has_offsets else cfg.window)
     bh = cfg.batch * cfg.num_heads
-    pairs = bh * visible
+    pairs = bh * cfg.computed_pairs()
     tile = cfg.block_q * cfg.block_k
     d, dv = cfg.head_dim_p, cfg.head_dim_v_p
     # dK/dV: S, dP, dV, dK (4 matmuls); dQ: S, dP, dQ (3); dBias: S, dP (2)

@@ -256,12 +256,8 @@ def _cost_estimate(cfg: ForwardConfig, gs: ForwardGridSpec) -> Any:
     Positional skipping (causal, window, padding) is known statically; data-dependent
     lengths are not, so they are assumed full here.
     """
-    visible = blk.num_visible_blocks(cfg.num_q_blocks, cfg.num_kv_blocks, q_len=cfg.q_len_p,
-                                     kv_len=cfg.kv_len, block_q=cfg.block_q, block_k=cfg.block_k,
-                                     is_causal=cfg.is_causal and not cfg.has_offsets,
-                                     window=None if cfg.has_offsets else cfg.window)
     bh = cfg.batch * cfg.num_heads
-    pairs = bh * visible
+    pairs = bh * cfg.computed_pairs()
     tile = cfg.block_q * cfg.block_k
 
     block_bytes = gs.block_bytes

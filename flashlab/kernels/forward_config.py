@@ -109,6 +109,16 @@ class ForwardConfig:
                 partial, chunks = partial + 1, chunks + seen
         return partial, chunks
 
+    def computed_pairs(self) -> int:
+        """The (q block, kv block) pairs the kernels compute per (batch, head), from positions
+        alone (causal and window skipping; data-dependent lengths count as full): what their
+        ``pl.CostEstimate`` s count."""
+        return blk.num_visible_blocks(self.num_q_blocks, self.num_kv_blocks, q_len=self.q_len_p,
+                                      kv_len=self.kv_len, block_q=self.block_q,
+                                      block_k=self.block_k,
+                                      is_causal=self.is_causal and not self.has_offsets,
+                                      window=None if self.has_offsets else self.window)
+
     @property
     def group_size(self) -> int:
         return self.num_heads // self.num_kv_heads
