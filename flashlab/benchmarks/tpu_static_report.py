@@ -7,13 +7,14 @@ import json
 import textwrap
 from pathlib import Path
 
+from flashlab.benchmarks.tpu_static_changes import stored_before, sub_tile_table  # noqa: F401
 from flashlab.kernels import tuned_blocks
 
 __all__ = ["LIBRARIES", "MATMULS", "ROLE_LABEL", "TARGETS", "update_rows", "best_blocks",
            "target_table", "header", "table", "training_step_table", "stored_backward_before",
            "backward_rows", "OTHERS", "BACKWARD_ROLES", "BACKWARD_VARIANTS",
-           "fused_vs_split_table", "splash_dq_partial_bytes",
-           "before_after_table", "stored_before", "stored_forward_before", "sub_tile_table"]
+           "fused_vs_split_table", "splash_dq_partial_bytes", "before_after_table",
+           "stored_before", "sub_tile_table"]
 
 #: Backward variants, measured for the backward only (their forward is their library's):
 #: ``splash_fused``, splash with ``use_fused_bwd_kernel``; ``flashlab_split``, flashlab with
@@ -308,6 +309,58 @@ def training_step_table(rows, *, blocks="equal") -> str:
     return "\n".join(out)
 
 
+def stored_backward_before(path=None) -> dict:
+    """The stored BEFORE rows of the backward kernels (``data/backward_optimisations.json``:
+    issue 18's backward changes, their provenance and the rows copied from the run before)."""
+    p = Path(path) if path else Path(__file__).parent.parent / "data" / "backward_optimisations.json"
+    return json.loads(p.read_text())
+
+
+def stored_forward_before(path=None) -> dict:
+    """The stored BEFORE rows of the forward kernel (``data/forward_scores_before.json``: the
+    base-2 score path's change, provenance, and flashlab's forward rows from before it, at
+    every stored shape)."""
+    p = Path(path) if path else Path(__file__).parent.parent / "data" / "forward_scores_before.json"
+    return json.loads(p.read_text())
+
+
+def before_after_table(before_rows, after_rows, *, kernels=("dq", "dkdv"),
+                       blocks: str = "equal", after_library: str = "flashlab") -> str:
+    """flashlab's kernels before and after, per chip, at equal blocks (``blocks="equal"``) or
+    at its fastest measured blocks (``"best"``): tile and per-step cycles, whole-kernel
+    estimate, and the ratio to the better of splash and jax's kernel after (same blocks
+    rule). Rows of one shape: filter ``before_rows``/``after_rows`` by :func:`shape_of`.
+    ``after_library``: the after rows' library (``"flashlab_split"``: the split backward's
+    kernels, now that flashlab's default backward is fused where it fits)."""
+    after_rows = [dict(r, library="flashlab") if r.get("library") == after_library else r
+                  for r in after_rows if r.get("library") != "flashlab"
+                  or after_library == "flashlab"]
+    def eq(rows, lib, chip, kernel):
+        rs = [r for r in rows if (r["library"], r["chip"], r["kernel"]) == (lib, chip, kernel)
+              and (blocks == "best" or r["blocks"] == "equal")
+              and r.get("est_cycles") is not None]
+        return min(rs, key=lambda r: r["est_cycles"]) if rs else None
+    out = [f"{'chip':4} {'kernel':6} {'tile before > after':>20} {'step before > after':>20} "
+           f"{'est ms before > after':>22} {'x best other':>12}"]
+    for chip in dict.fromkeys(r["chip"] for r in before_rows):
+        for kernel in kernels:
+            b, a = eq(before_rows, "flashlab", chip, kernel), eq(after_rows, "flashlab", chip, kernel)
+            if b is None or a is None:
+                continue
+            others = [o for lib in OTHERS
+                      if (o := eq(after_rows, lib, chip, kernel)) is not None]
+            ratio = (f"{a['est_cycles'] / min(o['est_cycles'] for o in others):.2f}"
+                     if others else "-")
+            name = {"dq": "dQ", "dkdv": "dK/dV"}.get(kernel, kernel)
+            pair = lambda r: f"{r['block_q']}x{r['block_k']}"  # noqa: E731
+            if blocks != "equal":     # the blocks each side ran at
+                name += f" {pair(a)}" if pair(a) == pair(b) else f" {pair(b)}>{pair(a)}"
+            out.append(f"{chip:4} {name:6} {b['tile_cycles']:>9} > {a['tile_cycles']:<8} "
+                       f"{b['step_cycles']:>9} > {a['step_cycles']:<8} "
+                       f"{b['est_ms']:>10.2f} > {a['est_ms']:<9.2f} {ratio:>12}")
+    return "\n".join(out)
+
+
 def splash_dq_partial_bytes(r, itemsize: int = 2) -> int:
     """HBM bytes of the dQ partials splash's fused backward writes (and XLA reads back to sum
     them): one ``[B, H, T, d]`` copy in the inputs' dtype per kv block, which the static
@@ -340,9 +393,3 @@ def fused_vs_split_table(rows, *, block=(1024, 1024)) -> str:
                    f"{sp['est_ms']:>9.2f} {fu['est_ms']:>9.2f} "
                    f"{fu['est_cycles'] / sp['est_cycles']:>11.2f} {ref_s:>15} {part:>15}")
     return "\n".join(out)
-
-
-# The before/after tables of issue 18's kernel changes live in their own module; re-exported.
-from flashlab.benchmarks.tpu_static_changes import (  # noqa: E402
-    before_after_table, stored_backward_before, stored_forward_before, stored_before,
-    sub_tile_table)
