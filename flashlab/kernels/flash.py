@@ -124,9 +124,10 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None, is_c
         last kv step (``online_softmax.sink_state``); differentiable.
       backward: which backward ``jax.grad`` runs: ``"auto"`` (default:
         :func:`flashlab.kernels.backward_grid.resolve_backward`, fused where its resident dQ
-        fits VMEM on a chip where it wins, else split), ``"split"`` (a dK/dV kernel and a dQ
-        kernel, 7 matmuls per tile) or ``"fused"`` (one kernel, 5 matmuls per tile, dQ
-        ``[G, T, d]`` float32 resident in VMEM; ``ValueError`` where that does not fit).
+        fits VMEM, whole or in at most 8 query chunks, else split), ``"split"`` (a dK/dV kernel
+        and a dQ kernel, 7 matmuls per tile) or ``"fused"`` (one kernel, 5 matmuls per tile,
+        dQ ``[G, T, d]`` float32 resident in VMEM, whole or per query chunk; ``ValueError``
+        where not even 8 chunks fit).
         Chapter 07 weighs the two.
       layout: ``"BTNH"`` (default) or ``"BNTH"``: query, key, value and the result as
         ``[batch, heads, seq, head_dim]``, which the kernels read in place under ``jit`` (no
