@@ -207,22 +207,29 @@ def test_fused_backward_resident_dq_on_both_grids(visit):
     _assert_matches_oracle(got, q, k, v, dout, {"is_causal": True})
 
 
-@pytest.mark.parametrize("visit,chunks,interpret", [
-    (True, 1, "generic"), (False, 1, "generic"), (True, 3, "generic"), (False, 3, "generic"),
-    (True, 1, "tpu")], ids=["visit", "dense", "visit-chunks", "dense-chunks", "tpu-interpret"])
-def test_fused_backward_runs_diagonal_tiles_as_sub_tiles(monkeypatch, visit, chunks,
-                                                         interpret):
-    """A causal tile the diagonal crosses runs as its visible 2 x 2 sub-tiles (here 128 x 128
-    of 256-blocks: the real threshold, B_c >= 1024 and B_r >= 512, is too big to interpret),
-    on both grids, with dQ whole and in 3 query chunks, GQA (G = 2), T = 700 padded to 768;
-    in TPU interpret mode too (race detector on). The float64 oracle's gradients."""
-    from flashlab.kernels import backward, backward_config
-    monkeypatch.setattr(backward_config, "QUARTER_MIN_BLOCK_K", 256)
-    monkeypatch.setattr(backward_config, "QUARTER_MIN_BLOCK_Q", 256)
-    q, k, v, dout, (q_, k_, v_, spec, out, lse) = _causal_case(29, 1, 700, 2, 1, 64, 256)
-    cfg = make_backward_config(spec, block_q=256, block_k=256, visit_grid=visit)
-    assert backward_config.quarter_tiles(cfg)
-    assert backward_config.quarter_visits(cfg) == (3, 9)        # 3 diagonal tiles, 3 each
+@pytest.mark.parametrize("visit,chunks,interpret,T,bq,bk", [
+    (True, 1, "generic", 700, 256, 256), (False, 1, "generic", 700, 256, 256),
+    (True, 3, "generic", 700, 256, 256), (False, 3, "generic", 700, 256, 256),
+    (True, 1, "generic", 512, 256, 512), (False, 2, "generic", 1024, 512, 256),
+    (True, 1, "tpu", 700, 256, 256)],
+    ids=["visit", "dense", "visit-chunks", "dense-chunks", "kv-twice-q", "q-twice-kv",
+         "tpu-interpret"])
+def test_fused_backward_runs_diagonal_tiles_as_strips(monkeypatch, visit, chunks, interpret,
+                                                      T, bq, bk):
+    """A causal tile the diagonal crosses runs as its kv strips of 128 rows, each from the
+    first query it sees (here from 256-blocks: the real minimum, 512, is too big to
+    interpret), on both grids, with dQ whole and in query chunks, GQA (G = 2): square blocks
+    with T = 700 padded to 768 (lengths masked in every piece), B_c = 2 B_r (two crossing
+    offsets, the unmasked strips merged into one piece without a mask) and B_r = 2 B_c; in
+    TPU interpret mode too (race detector on). The float64 oracle's gradients."""
+    from flashlab.kernels import backward, diagonal
+    monkeypatch.setattr(diagonal, "MIN_BLOCK_K", 256)
+    monkeypatch.setattr(diagonal, "MIN_BLOCK_Q", 256)
+    monkeypatch.setattr(diagonal, "STRIP_ROWS", {})               # 128 rows everywhere
+    diagonal._cases.cache_clear()
+    q, k, v, dout, (q_, k_, v_, spec, out, lse) = _causal_case(29, 1, T, 2, 1, 64, 256)
+    cfg = make_backward_config(spec, block_q=bq, block_k=bk, visit_grid=visit)
+    assert diagonal.applies(cfg) and diagonal.cases(cfg)
     mode = device.tpu_interpret_params() if interpret == "tpu" else True
     got = backward._backward(q_, k_, v_, spec, out, lse, jnp.asarray(dout), cfg=cfg,
                              interpret=mode, fused=chunks)[:3]
@@ -231,23 +238,33 @@ def test_fused_backward_runs_diagonal_tiles_as_sub_tiles(monkeypatch, visit, chu
         assert compat.races_found() is False
 
 
-def test_sub_tiles_only_where_they_pay():
-    """Sub-tiles at B_c >= 1024 and B_r >= 512 on a causal mask from positions alone: T = 2048
-    at 1024² runs its 2 diagonal tiles as 3 sub-tiles each, at 512 x 1024 the 2 tiles whose
-    lower half sees nothing as 2; 512² and 1024 x 512 keep whole tiles, and so does a window."""
-    from flashlab.kernels import backward_config
+def test_diagonal_strips_cut_the_staircase():
+    """At 1024² with 128-row strips (v5e) the diagonal tile is 8 masked strips, strip a from
+    query a on: 9/16 of the tile, against 3/4 for 2 x 2 sub-tiles. At 1024 x 2048 with
+    256-row strips (v6e) a crossed tile sits at d = 0 (4 strips, the upper half of its kv rows
+    sees nothing) or d = -1024 (one unmasked 1024² piece, then 4 strips). T = 2048: 2 diagonal
+    tiles per head. Below 512-blocks, and with a window, tiles stay whole."""
+    from flashlab.kernels import diagonal
+    from flashlab.kernels.diagonal import Piece
     spec = _abstract_spec(2048)
-    visits = {}
-    for bq, bk in ((1024, 1024), (512, 1024), (512, 512), (1024, 512)):
-        cfg = make_backward_config(spec, block_q=bq, block_k=bk, chip="v5e")
-        visits[bq, bk] = backward_config.quarter_visits(cfg)
-    assert visits == {(1024, 1024): (2, 6), (512, 1024): (2, 4), (512, 512): (0, 0),
-                      (1024, 512): (0, 0)}
+    cfg = make_backward_config(spec, block_q=1024, block_k=1024, chip="v5e", fused=True)
+    ((d, pieces),) = diagonal.cases(cfg)
+    assert d == 0 and [p.q_lo for p in pieces] == list(range(0, 1024, 128))
+    assert all(p.masked and p.k_hi - p.k_lo == 128 for p in pieces)
+    area = sum((p.k_hi - p.k_lo) * (1024 - p.q_lo) for p in pieces)
+    assert area / 1024**2 == 9 / 16 and diagonal.visits(cfg) == (2,)
+    cfg = make_backward_config(spec, block_q=1024, block_k=2048, chip="v6e", fused=True)
+    strips = tuple(Piece(a, a + 256, a - 1024 * (a >= 1024), True) for a in range(0, 2048, 256))
+    assert diagonal.cases(cfg) == ((-1024, (Piece(0, 1024, 0, False), *strips[4:])),
+                                   (0, strips[:4]))
+    assert diagonal.visits(cfg) == (1, 1)
+    assert not diagonal.applies(make_backward_config(spec, block_q=256, block_k=256,
+                                                     chip="v5e"))
     x = jax.ShapeDtypeStruct((1, 2048, 1, 128), jnp.bfloat16)
     windowed = jax.eval_shape(lambda q, k, v: validate(q, k, v, None, None, is_causal=True,
                                                        local_window_size=(256, 0))[3], x, x, x)
     cfg = make_backward_config(windowed, block_q=1024, block_k=1024, chip="v5e")
-    assert not backward_config.quarter_tiles(cfg)
+    assert not diagonal.applies(cfg) and diagonal.cases(cfg) == ()
 
 
 def _abstract_spec(T, *, heads=1, kv_heads=1, d=128):

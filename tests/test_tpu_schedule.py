@@ -173,6 +173,36 @@ def test_live_compile_reads_the_partial_path():
     assert r["est_cycles"] < full        # cheaper than running every chunk of those tiles
 
 
+@needs_libtpu
+def test_live_compile_reads_the_diagonal_cases():
+    """The fused backward at 1024 x 2048 (v6e, causal, T=4096) runs a crossed tile as the kv
+    strips of its offset d = -1024 or d = 0 (kernels/diagonal.py), each case a straight-line
+    region beside the whole tile: the reader finds both, in program order, cheaper than the
+    tile, and the estimate prices the 2 tiles per head that take each by its own region."""
+    from flashlab.benchmarks import tpu_static as bts
+    rows, _ = bts.measure(chips=["v6e"], libraries=["flashlab"], modes=[],
+                          sweep=[(1024, 2048)], kernels=["fused"], batch=1, seq_len=4096,
+                          heads=2, progress=False)
+    (r,) = rows
+    assert r["case_tiles"] == [2 * 2, 2 * 2] and len(r["case_cycles"]) == 2
+    d_minus, d_zero = r["case_cycles"]     # d = 0: half its kv rows see nothing, 5/16 computed
+    assert r["tile_cycles"] / 2 < d_minus < r["tile_cycles"] and 0 < d_zero < d_minus
+    assert 0 < r["step_cycles"] < 1000 and r["init_cycles"] > 0
+
+
+def test_case_paths_finds_the_whole_tile_beside_its_cases():
+    """Synthetic regions: an anchor holding the whole tile (most vmatmuls) and two cases; a
+    case with a nested matmul region (the forward's chunks) is not a straight-line case."""
+    from flashlab.instruments import tpu_paths
+    R = ts.Region
+    anchor, case0, case1, full = R(0, 100, 0), R(1, 20, 1), R(21, 40, 2), R(41, 99, 3)
+    mm = [5, 25, 50, 60, 70]
+    assert tpu_paths.case_paths(anchor, [anchor, case0, case1, full], mm) == (full, [case0,
+                                                                                      case1])
+    assert tpu_paths.case_paths(anchor, [anchor, case0, R(2, 10, 4), full], [5, 50, 60]) is None
+    assert tpu_paths.case_paths(anchor, [anchor, full], [50]) is None
+
+
 def test_init_runs_once_per_row_of_a_visit_grid():
     """B=2 H=4 T=4096 causal, 512 x 1024 blocks: 8 q-block rows, 4 kv-block rows per head."""
     from flashlab.benchmarks.tpu_static import init_runs
@@ -295,17 +325,21 @@ def test_fused_vs_split_table_reads_both_backwards_at_one_pair():
                             "512", "MiB"]      # 8 kv blocks x [2, 16, 8192, 128] bf16
 
 
-def test_sub_tile_table_prices_the_diagonal_tile_by_its_sub_tiles():
-    """Before: the whole tile; after: the partial path's own cycles + the sub-tiles it runs
-    on average (3 of 4 at 1024², B_r = B_c), set against splash's fused backward."""
+def test_diagonal_table_prices_the_diagonal_tile_at_each_stage():
+    """Whole tile; then the partial path's own cycles + the sub-tiles it runs on average (3 of
+    4 at 1024²); then the kv strips' case regions weighted by the tiles that take each; set
+    against splash's fused backward in the last stage."""
     from flashlab.benchmarks import tpu_static_report as rep
     base = dict(chip="v5e", kernel="fused", block_q=1024, block_k=1024, library="flashlab")
-    before = [dict(base, tile_cycles=10443, step_cycles=428, est_ms=8.42)]
-    after = [dict(base, tile_cycles=10443, step_cycles=441, est_ms=8.07, partial_tiles=256,
-                  partial_chunks=768, partial_overhead_cycles=14, chunk_cycles=2764.0),
-             dict(base, library="splash_fused", tile_cycles=10528, step_cycles=407,
-                  est_ms=8.69)]
-    line = rep.sub_tile_table(before, after).splitlines()[1].split()
+    whole = [dict(base, tile_cycles=10443, step_cycles=428, est_ms=8.42)]
+    quarters = [dict(base, tile_cycles=10443, step_cycles=441, est_ms=8.07, partial_tiles=256,
+                     partial_chunks=768, partial_overhead_cycles=14, chunk_cycles=2764.0)]
+    strips = [dict(base, tile_cycles=10443, step_cycles=431, est_ms=7.74, partial_tiles=256,
+                   case_tiles=[192, 64], case_cycles=[6400, 6500]),
+              dict(base, library="splash_fused", tile_cycles=10528, step_cycles=407,
+                   est_ms=8.69)]
+    table = rep.diagonal_table([("whole", whole), ("2x2", quarters), ("strips", strips)])
+    line = table.splitlines()[2].split()
     assert line[:2] == ["v5e", "1024x1024"]
-    assert line[2:5] == ["10443", ">", str(14 + 3 * 2764)]
-    assert line[-1] == f"{8.07 / 8.69:.2f}"
+    assert line[2:5] == ["10443", str(14 + 3 * 2764), "6425"]
+    assert line[6:9] == ["8.42", "8.07", "7.74"] and line[-1] == f"{7.74 / 8.69:.2f}"

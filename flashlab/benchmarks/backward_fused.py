@@ -49,21 +49,21 @@ def build(*, chip: str, fused: bool, batch: int, seq_len: int, heads: int, head_
 
 
 def _resolved(chip, fused, *, batch, seq_len, heads, head_dim, causal, block):
-    """``(block_q, block_k, dq_chunks, (partial tiles, sub-tiles))`` of the backward ``block``
-    resolves to (a fused backward whose resident dQ does not fit at ``block`` chunks it or
-    takes smaller blocks, or raises ``ValueError``; the sub-tiles per (batch, head) of the
-    tiles the causal diagonal crosses, :func:`backward_config.quarter_visits`)."""
+    """``(block_q, block_k, dq_chunks, cases)`` of the backward ``block`` resolves to (a
+    fused backward whose resident dQ does not fit at ``block`` chunks it or takes smaller
+    blocks, or raises ``ValueError``; ``cases``: per (batch, head), the tiles the causal
+    diagonal crosses at each of its offsets, :func:`diagonal.visits`)."""
     import jax
     import jax.numpy as jnp
     from flashlab.contract import masks
-    from flashlab.kernels import backward_grid
+    from flashlab.kernels import backward_grid, diagonal
     x = jax.ShapeDtypeStruct((batch, seq_len, heads, head_dim), jnp.bfloat16)
     spec = jax.eval_shape(lambda q, k, v: masks.validate(q, k, v, None, None,
                                                          is_causal=causal)[3], x, x, x)
     bq, bk = (block, block) if isinstance(block, int) else block
     c, n = backward_grid.resolve_backward(spec, "fused" if fused else "split", block_q=bq,
                                           block_k=bk, chip=chip)
-    return c.block_q, c.block_k, n, backward_grid.quarter_visits(c) if n else (0, 0)
+    return c.block_q, c.block_k, n, diagonal.visits(c) if n else ()
 
 
 def measure(*, chips, batch=2, seq_len=8192, heads=16, head_dim=128, causal=True, block=512,
@@ -73,9 +73,9 @@ def measure(*, chips, batch=2, seq_len=8192, heads=16, head_dim=128, causal=True
     rows, versions = [], {}
     for chip in chips:
         for fused in (False, True):
-            bq, bk, chunks, quarters = _resolved(chip, fused, causal=causal, block=block,
-                                                 **shape)
-            partial, subs = (batch * heads * x for x in quarters)
+            bq, bk, chunks, cases = _resolved(chip, fused, causal=causal, block=block,
+                                              **shape)
+            cases = [batch * heads * x for x in cases]
             tiles = batch * heads * _visible_tiles(seq_len, bq, bk, causal)
             d = tpu_dump.schedules("flashlab.benchmarks.backward_fused:build", chip, timeout=timeout,
                                    fused=fused, causal=causal, block=block, **shape)
@@ -93,8 +93,7 @@ def measure(*, chips, batch=2, seq_len=8192, heads=16, head_dim=128, causal=True
                                                               batch=batch, heads=heads,
                                                               seq_len=seq_len, block_q=bq,
                                                               block_k=bk, dq_chunks=chunks),
-                                               partial=partial if fused else 0,
-                                               partial_chunks=subs if fused else 0,
+                                               cases=cases if fused else (),
                                                once=batch * heads * chunks if zero else 0,
                                                once_cycles=zero)
                 kernels[k.name] = dict(grid=list(k.grid), tile_cycles=s.tile_cycles,
@@ -108,7 +107,7 @@ def measure(*, chips, batch=2, seq_len=8192, heads=16, head_dim=128, causal=True
             rows.append(dict(chip=chip, option="fused" if fused else "split", kernels=kernels,
                              block_q=bq, block_k=bk,
                              est_cycles=est, est_ms=est / hz * 1e3 if hz else None,
-                             dq_chunks=chunks, sub_tiles=[partial, subs],
+                             dq_chunks=chunks, diagonal_tiles=cases,
                              resident_dq_bytes=t_pad * head_dim * 4 // chunks if chunks else 0))
     for r in rows:
         split = [x for x in rows if x["chip"] == r["chip"] and x["option"] == "split"][0]

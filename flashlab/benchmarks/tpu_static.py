@@ -89,11 +89,11 @@ def resident_zeroing(s, *, seq_len: int, block_q: int, head_dim: int, dq_chunks:
 
 
 def _row(k: tpu_dump.KernelDump, blocks, *, chip, library, mode, batch, seq_len, heads,
-         head_dim, causal, timeline, chunk_visits=(0, 0), dq_chunks=1) -> dict:
+         head_dim, causal, timeline, chunk_visits=(0, 0), dq_chunks=1, cases=()) -> dict:
     """One bench row from a kernel's schedule. ``chunk_visits``: the partial tiles and the
     chunks they run, per (batch, head): the forward's row chunks
-    (:meth:`ForwardConfig.chunk_visits`), the fused backward's sub-tiles
-    (:func:`backward_config.quarter_visits`);
+    (:meth:`ForwardConfig.chunk_visits`); ``cases``: per case of the fused backward's
+    diagonal strips, its tiles per (batch, head) (:func:`diagonal.visits`);
     ``dq_chunks``: the fused backward's query chunks (:func:`backward_config.dq_chunks`)."""
     from flashlab.benchmarks.backends import attention_flops
     from flashlab.instruments import tpu_schedule
@@ -104,13 +104,14 @@ def _row(k: tpu_dump.KernelDump, blocks, *, chip, library, mode, batch, seq_len,
                      block_q=bq, block_k=bk, dq_chunks=dq_chunks)
     tiles = batch * heads * _visible_tiles(seq_len, bq, bk, causal)
     partial, partial_chunks = (batch * heads * n for n in chunk_visits)
+    cases = [batch * heads * n for n in cases]
     zero = (resident_zeroing(s, seq_len=seq_len, block_q=bq, head_dim=head_dim,
                              dq_chunks=dq_chunks)
             if library.startswith("flashlab") and k.role == "fused" else 0)
     cycles = tpu_schedule.kernel_cycles(s, steps=steps, tiles=tiles, rows=rows,
                                         partial=partial, partial_chunks=partial_chunks,
                                         once=batch * heads * dq_chunks if zero else 0,
-                                        once_cycles=zero)
+                                        once_cycles=zero, cases=cases)
     hz, peak, _ = chip_clock(chip)
     flops = attention_flops(batch, heads, seq_len, seq_len, head_dim, causal) * MATMULS[k.role] / 2
     r = dict(chip=chip, library=library, kernel=k.role, blocks=mode, block_q=bq, block_k=bk,
@@ -120,7 +121,8 @@ def _row(k: tpu_dump.KernelDump, blocks, *, chip, library, mode, batch, seq_len,
              finalize_cycles=s.finalize_cycles, outside_loop_cycles=s.outside_loop_cycles,
              mxu_cycles=s.mxu_cycles, occupancy=s.occupancy, num_mxu=s.num_mxu, steps=steps,
              tiles=tiles, rows=rows, est_cycles=cycles, flops=flops,
-             partial_tiles=partial, partial_chunks=partial_chunks,
+             partial_tiles=partial + sum(cases), partial_chunks=partial_chunks,
+             case_tiles=cases, case_cycles=s.case_cycles,
              partial_overhead_cycles=s.partial_overhead_cycles, chunk_cycles=s.chunk_cycles,
              once_per_head_cycles=zero, dq_chunks=dq_chunks,
              est_ms=cycles / hz * 1e3 if hz else None,
@@ -206,13 +208,14 @@ def measure(*, chips, libraries=LIBRARIES, modes=("default", "equal"), block=512
                     role = "fused"         # one kernel for dQ, dK and dV (ours or splash's)
                 if role in kernels and (role == "forward") != bwd:
                     per_head = d.info["blocks"].get(     # partial tiles, their chunks
-                        {"forward": "chunk_visits", "fused": "fused_chunk_visits"}.get(
-                            role, ""), (0, 0))
+                        "chunk_visits" if role == "forward" else "", (0, 0))
                     k = dataclasses.replace(k, role=role)
                     rows.append(_row(k, blocks, chip=c, library=lib, mode=m,
                                      causal=causal, timeline=(c == timeline_chip and m == "equal"),
                                      chunk_visits=per_head, **shape,
-                                     dq_chunks=d.info["blocks"].get("dq_chunks") or 1))
+                                     dq_chunks=d.info["blocks"].get("dq_chunks") or 1,
+                                     cases=d.info["blocks"].get("fused_cases", ())
+                                     if role == "fused" else ()))
     if bar is not None:
         bar.close()
     for r in rows:                                   # ratio to splash, same chip/kernel/mode

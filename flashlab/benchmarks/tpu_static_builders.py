@@ -20,7 +20,7 @@ def _flashlab_split(chip, backward, causal, block, shape, dtype):
 def _flashlab(chip, backward, causal, block, shape, dtype, which="auto"):
     import jax
     from flashlab.contract import masks
-    from flashlab.kernels import backward_grid
+    from flashlab.kernels import backward_grid, diagonal
     from flashlab.kernels import forward_config
     from flashlab.kernels import flash
     B, T, H, d = shape
@@ -36,7 +36,7 @@ def _flashlab(chip, backward, causal, block, shape, dtype, which="auto"):
         c, got["fused"] = backward_grid.resolve_backward(spec, which, block_q=bq, block_k=bk,
                                                          chip=chip)
         got["bwd"] = [c.block_q, c.block_k]
-        got["quarters"] = backward_grid.quarter_visits(c) if got["fused"] else (0, 0)
+        got["cases"] = diagonal.visits(c) if got["fused"] else ()
         return q
     jax.eval_shape(probe, x, x, x)
     fb = got["fwd"]
@@ -46,7 +46,7 @@ def _flashlab(chip, backward, causal, block, shape, dtype, which="auto"):
                                      interpret=False, chip=chip, backward=which)
     info = {"forward": list(fb), "dq": got["bwd"], "dkdv": got["bwd"],
             "fused": bool(got["fused"]), "dq_chunks": int(got["fused"]),
-            "fused_chunk_visits": list(got["quarters"]),
+            "fused_cases": list(got["cases"]),
             "chunk_visits": list(got["chunk_visits"])}
     return f, (x, x, x), info
 

@@ -1,47 +1,62 @@
-"""The fused backward's diagonal sub-tiles before and after (chapter 07): the stored BEFORE
-rows of a change (``flashlab/data/*_before.json``: the rows of the run before it, with its
-provenance) and the table that sets them against the stored run's rows after it. Static
-schedule: no DMA stalls, no HBM bandwidth; not wall time. (The other before/after tables are
+"""The fused backward's diagonal tiles, stage by stage (chapter 07): the stored BEFORE rows of a
+change (``flashlab/data/*_before.json``: the rows of the run before it, with its provenance)
+and the table that sets them against the stored run's rows after it. Static schedule: no DMA
+stalls, no HBM bandwidth; not wall time. (The other before/after tables are
 :func:`flashlab.benchmarks.tpu_static_report.before_after_table`'s.)"""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-__all__ = ["stored_before", "sub_tile_table"]
+__all__ = ["stored_before", "diagonal_cycles", "diagonal_table"]
 
 DATA = Path(__file__).parent.parent / "data"
 
 
 def stored_before(name: str) -> dict:
-    """A stored BEFORE file of ``flashlab/data`` by name (``"backward_subtiles_before"``: the
-    fused backward before its diagonal sub-tiles)."""
+    """A stored BEFORE file of ``flashlab/data`` by name: ``"backward_subtiles_before"`` (the
+    fused backward running every visible tile whole), ``"backward_quarters_before"`` (its
+    diagonal tiles as 2 x 2 sub-tiles, before the kv strips)."""
     return json.loads((DATA / f"{name}.json").read_text())
 
 
-def sub_tile_table(before_rows, after_rows) -> str:
-    """The fused backward before and after its diagonal sub-tiles, per chip and block pair
-    measured on both sides: the cost of a tile the diagonal crosses (before: the whole tile;
-    after: the partial path's own cycles plus its sub-tiles, as many as it runs on average),
-    the per-step cycles, the whole-kernel estimate, and the ratio to splash's fused backward
-    at the same pair after (``-`` where it was not measured there)."""
+def diagonal_cycles(row: dict) -> int:
+    """What one tile the causal diagonal crosses costs in a fused-backward bench row: the mean
+    of its case regions over the tiles that take each (kv strips), else the partial path's
+    own cycles plus the sub-tiles it runs on average (2 x 2 sub-tiles), else the whole tile."""
+    if row.get("case_tiles") and sum(row["case_tiles"]):
+        n = row["case_tiles"]
+        return round(sum(a * b for a, b in zip(n, row["case_cycles"])) / sum(n))
+    if row.get("partial_tiles") and row.get("partial_chunks"):
+        return round(row["partial_overhead_cycles"]
+                     + row["partial_chunks"] / row["partial_tiles"] * row["chunk_cycles"])
+    return row["tile_cycles"]
+
+
+def diagonal_table(stages) -> str:
+    """The fused backward at each stage of its diagonal, per chip and block pair measured at
+    every stage: ``stages`` is ``[(label, rows), ...]``, oldest first. Per stage the cost of a
+    tile the diagonal crosses (:func:`diagonal_cycles`) and the whole-kernel estimate (ms);
+    last, the ratio to splash's fused backward at the same pair in the last stage's rows
+    (``-`` where it was not measured there)."""
     def key(r):
         return (r["chip"], r["block_q"], r["block_k"])
 
     def fused(rows, lib="flashlab"):
         return {key(r): r for r in rows if r.get("library") == lib
                 and r.get("kernel") == "fused" and r.get("est_ms") is not None}
-    before, after, splash = fused(before_rows), fused(after_rows), fused(after_rows,
-                                                                          "splash_fused")
-    out = [f"{'chip':4} {'blocks':>9} {'diagonal tile':>17} {'step':>11} "
-           f"{'est ms before > after':>22} {'x splash':>8}"]
-    for k in sorted(set(before) & set(after), key=lambda k: (k[0], k[1] * k[2])):
-        b, a = before[k], after[k]
-        subs = a.get("partial_chunks", 0) / a["partial_tiles"] if a.get("partial_tiles") else 0
-        diag = (round(a["partial_overhead_cycles"] + subs * a["chunk_cycles"]) if subs
-                else a["tile_cycles"])
-        ratio = f"{a['est_ms'] / splash[k]['est_ms']:.2f}" if k in splash else "-"
-        out.append(f"{k[0]:4} {k[1]:>4}x{k[2]:<4} {b['tile_cycles']:>7} > {diag:<7} "
-                   f"{b['step_cycles']:>4} > {a['step_cycles']:<4} "
-                   f"{b['est_ms']:>10.2f} > {a['est_ms']:<9.2f} {ratio:>8}")
+    runs = [fused(rows) for _, rows in stages]
+    splash = fused(stages[-1][1], "splash_fused")
+    w = max(7, *(len(label) for label, _ in stages))
+    out = [f"{'chip':4} {'blocks':>9}  " + " ".join(f"{label:>{w}}" for label, _ in stages)
+           + "  | " + " ".join(f"{label:>{w}}" for label, _ in stages) + "  x splash",
+           f"{'':4} {'':>9}  " + f"{'diagonal tile (cycles)':^{len(stages) * (w + 1) - 1}}"
+           + "  | " + f"{'estimate (ms)':^{len(stages) * (w + 1) - 1}}"]
+    keys = set.intersection(*(set(r) for r in runs))
+    for k in sorted(keys, key=lambda k: (k[0], k[1] * k[2], k[1])):
+        rs = [r[k] for r in runs]
+        ratio = f"{rs[-1]['est_ms'] / splash[k]['est_ms']:.2f}" if k in splash else "-"
+        out.append(f"{k[0]:4} {k[1]:>4}x{k[2]:<4}  "
+                   + " ".join(f"{diagonal_cycles(r):>{w}}" for r in rs) + "  | "
+                   + " ".join(f"{r['est_ms']:>{w}.2f}" for r in rs) + f"  {ratio:>8}")
     return "\n".join(out)

@@ -10,7 +10,8 @@ compiler's per-bundle busy count of each unit, aligned bundle for bundle), into:
 - the **grid loop**: the one loop of the kernel (the bundle labelled ``LB:`` and the backward
   ``sbr.rel`` that returns to it); one trip is one grid step;
 - the **tile**: the predicated region (``sbr.rel`` forward over it, a ``pl.when``) that holds
-  every MXU instruction of the loop: the compute of one (B_r, B_c) tile;
+  every MXU instruction of the loop: the compute of one (B_r, B_c) tile (or, where that
+  region holds several paths, the whole tile's path: :mod:`flashlab.instruments.tpu_paths`);
 - **init** and **finalize**: the MXU-free, DMA-free regions beside the tile (the
   ``pl.when(j == 0)`` and ``pl.when(j == last)`` of the online softmax), run once per row;
 - **per-step cycles**: the rest of the loop body, paid by every grid step, skipped or not
@@ -34,6 +35,8 @@ import dataclasses
 import re
 from pathlib import Path
 
+from flashlab.instruments import tpu_paths
+
 __all__ = ["DUMP_FLAGS", "ScheduleFormatError", "Bundle", "Region", "TileSchedule",
            "parse_bundles", "parse_utilization", "mxu_busy", "analyze", "unit_of",
            "kernel_cycles", "UNITS"]
@@ -55,7 +58,9 @@ _EUP = {"vexp2", "vexp", "vlog2", "vlog", "vrcp", "vrsqrt", "vsqrt", "vtanh", "v
 _BUNDLE = re.compile(r"^\s*(0x[0-9a-f]+|\d+)\s+(LB|LH|LE|PB|PF|CT)?:\s*(>*)\s*\{")  # > per loop depth
 _BRANCH = re.compile(r"sbr\.rel\s*\(([^)]*)\)\s*target bundleno = (\d+) \(0x[0-9a-f]+\), "
                      r"region = (\d+)")
-_MATMUL = re.compile(r"^vmatmul\.(mubr\.)?(?:msk\.)?(\w+)\..*mxu(\d+)$")  # msk: a masked operand
+# msk: a masked operand. lmr (the fused backward's diagonal strips; its LHS from a latched
+# matrix register, loaded by vllmr): busy half the rows, as mubr (the table agrees, bf16: 8).
+_MATMUL = re.compile(r"^vmatmul\.(mubr\.|lmr\.)?(?:msk\.)?(\w+)\..*mxu(\d+)$")
 _OPCODE = re.compile(r"^(?:%\S+\s*=\s*)?([A-Za-z_][\w.\[\]]*)")
 
 
@@ -118,6 +123,10 @@ class TileSchedule:
     # region that runs less often than per row (the fused backward's dQ zeroing, once per
     # (batch, kv head)) is priced with kernel_cycles(..., once=, once_cycles=)
     init_regions: list = dataclasses.field(default_factory=list)
+    # The fused backward's diagonal cases (a tile the causal diagonal crosses, run as its kv
+    # strips, :mod:`flashlab.kernels.diagonal`): the cycles of each case's straight-line
+    # region, in program order (the order of :func:`diagonal.cases`); empty without them.
+    case_cycles: list = dataclasses.field(default_factory=list)
     tile_util: list = dataclasses.field(default_factory=list, repr=False)  # table rows of the tile
 
     @property
@@ -197,6 +206,13 @@ def parse_utilization(text: str, path: str = "<text>") -> tuple[dict, list[list[
     return dict(zip(cols, caps)), rows
 
 
+def _mxu_rows(bundles: list[Bundle]) -> dict[int, int]:
+    """Bundle index -> MXU rows its vmatmuls stream (the model of :func:`mxu_busy`)."""
+    return {b.index: sum(MXU_ROWS.get(m.group(2), 8) // (2 if m.group(1) else 1)
+                         for o in b.opcodes if (m := _MATMUL.match(o)))
+            for b in bundles if any(_MATMUL.match(o) for o in b.opcodes)}
+
+
 def mxu_busy(bundles: list[Bundle], path: str = "<text>") -> list[int]:
     """Per bundle, how many MXUs are busy under our model (see the module docstring)."""
     busy = [0] * (len(bundles) + 64)
@@ -267,29 +283,6 @@ def _branches(bundles):
     return fwd, back
 
 
-def _partial_path(holding: Region, inner: list, mm: list):
-    """The forward's two tile paths (row chunks, :attr:`ForwardConfig.partial_tiles`), if
-    ``holding`` (the smallest region with every vmatmul) is their parent: ``(full, partial,
-    chunks)`` where ``full`` is the straight-line tile, ``partial`` the path whose chunks each
-    sit in their own region (``chunks``); ``None`` for a kernel with one tile path."""
-    def children(r):
-        inside = [x for x in inner if r.contains(x)]
-        return [x for x in inside if not any(y.contains(x) for y in inside)]
-
-    def has_mm(r):
-        return any(r.branch < i < r.target for i in mm)
-    paths = [r for r in children(holding) if has_mm(r)]
-    if len(paths) != 2 or any(not any(r.branch < i < r.target for r in paths) for i in mm
-                              if holding.branch < i < holding.target):
-        return None
-    split = [(r, [c for c in children(r) if has_mm(c)]) for r in paths]
-    full = [r for r, cs in split if not cs]
-    part = [(r, cs) for r, cs in split if cs]
-    if len(full) != 1 or len(part) != 1:
-        return None
-    return full[0], part[0][0], part[0][1]
-
-
 def analyze(packed_path, util_path=None, kernel: str | None = None) -> TileSchedule:
     """Read one kernel's ``packed-bundles-post-ra`` dump (and its utilization table).
 
@@ -328,15 +321,17 @@ def analyze(packed_path, util_path=None, kernel: str | None = None) -> TileSched
     if not holding:
         raise ScheduleFormatError(f"{packed_path}: no predicated region holds every vmatmul "
                                   f"of the loop; cannot tell the tile apart")
-    tile = min(holding, key=lambda r: r.cycles)
-    partial = _partial_path(tile, inner, mm)
+    tile = anchor = min(holding, key=lambda r: r.cycles)   # init/finalize: beside the anchor
+    partial, cases = tpu_paths.partial_path(tile, inner, mm), []
     if partial is not None:           # two tile paths: the full one is the tile
-        tile, partial, chunks = partial
-    parents = [r for r in inner if r.contains(tile)]
+        tile, partial, chunks = anchor, _, _ = partial      # the anchor: the full tile
+    elif (found := tpu_paths.case_paths(tile, inner, mm, _mxu_rows(bundles))) is not None:
+        tile, cases = found           # the whole tile, and the diagonal's cases, in the anchor
+    parents = [r for r in inner if r.contains(anchor)]
     parent = min(parents, key=lambda r: r.cycles) if parents else None
 
     def is_sibling(r):
-        if r == tile or r.contains(tile) or tile.contains(r) or r.contains(tile):
+        if r == anchor or r.contains(anchor) or anchor.contains(r):
             return False
         ps = [p for p in inner if p.contains(r)]
         return (min(ps, key=lambda p: p.cycles) if ps else None) == parent
@@ -351,8 +346,8 @@ def analyze(packed_path, util_path=None, kernel: str | None = None) -> TileSched
         raise ScheduleFormatError(f"{packed_path}: the tile region {tile} holds an inner loop "
                                   f"{nested}: its trip count is not in the dump, so static "
                                   f"bundles would undercount the tile")
-    init = sum(r.cycles for r in sib if r.target <= tile.branch)
-    fin = sum(r.cycles for r in sib if r.branch >= tile.target)
+    init = sum(r.cycles for r in sib if r.target <= anchor.branch)
+    fin = sum(r.cycles for r in sib if r.branch >= anchor.target)
     loop_cycles = end - start + 1
     partial_cycles = partial.cycles if partial is not None else 0
     chunk_cycles = sum(r.cycles for r in chunks) / len(chunks) if partial is not None else 0.0
@@ -364,7 +359,9 @@ def analyze(packed_path, util_path=None, kernel: str | None = None) -> TileSched
     return TileSchedule(
         kernel=kernel or packed_path.name, path=str(packed_path), total_cycles=len(bundles),
         loop_cycles=loop_cycles, tile_cycles=tile.cycles, init_cycles=init,
-        finalize_cycles=fin, step_cycles=loop_cycles - tile.cycles - partial_cycles - init - fin,
+        finalize_cycles=fin, step_cycles=(loop_cycles - tile.cycles - partial_cycles - init - fin
+                                          - sum(r.cycles for r in cases)),
+        case_cycles=[r.cycles for r in cases],
         partial_overhead_cycles=(partial_cycles - sum(r.cycles for r in chunks)
                                  if partial is not None else 0),
         chunk_cycles=chunk_cycles,
@@ -379,17 +376,23 @@ def analyze(packed_path, util_path=None, kernel: str | None = None) -> TileSched
 
 
 def kernel_cycles(s: TileSchedule, *, steps: int, tiles: int, rows: int, partial: int = 0,
-                  partial_chunks: int = 0, once: int = 0, once_cycles: int = 0) -> int:
+                  partial_chunks: int = 0, once: int = 0, once_cycles: int = 0,
+                  cases: tuple = ()) -> int:
     """Whole-kernel static cycles: ``steps x per-step + tiles x tile + rows x (init +
     finalize) + prologue/epilogue``. ``steps``: grid steps; ``tiles``: steps whose tile runs
     (visible blocks); ``rows``: runs of init/finalize (the grid without its innermost axis).
     ``partial`` of the tiles take the forward's partial path instead, running
     ``partial_chunks`` row chunks in all (:meth:`ForwardConfig.chunk_visits`). ``once``: runs
     of an init region of ``once_cycles`` (one of :attr:`TileSchedule.init_regions`) that runs
-    that many times instead of ``rows``."""
+    that many times instead of ``rows``. ``cases``: per region of
+    :attr:`TileSchedule.case_cycles`, the tiles that take it instead of the whole tile."""
     cycles = (s.outside_loop_cycles + steps * s.step_cycles + tiles * s.tile_cycles
               + rows * (s.init_cycles + s.finalize_cycles) - (rows - once) * once_cycles)
     if partial:
         cycles += (partial * (s.partial_overhead_cycles - s.tile_cycles)
                    + round(partial_chunks * s.chunk_cycles))
-    return cycles
+    case_cycles = getattr(s, "case_cycles", [])
+    if len(cases) != len(case_cycles):
+        raise ValueError(f"cases: expected a count for each of the schedule's "
+                         f"{len(case_cycles)} diagonal case regions, got {len(cases)}")
+    return cycles + sum(n * (c - s.tile_cycles) for n, c in zip(cases, case_cycles))

@@ -50,12 +50,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 
 from flashlab.contract.masks import AttentionSpec
 from flashlab.kernels import blocks as blk
+from flashlab.kernels import diagonal
 from flashlab.kernels import forward as fwd
 from flashlab.kernels import forward_grid
 from flashlab.kernels import visit
@@ -63,7 +65,7 @@ from flashlab.compat.pallas import pl
 from flashlab.kernels.backward_tile import Window, tile as _tile
 from flashlab.kernels.refs import RefNames, name_refs
 from flashlab.kernels.backward_grid import (
-    BackwardGridSpec, _dbias_order, _full_bias, dbias_config, _q_range, dbias_grid_spec, dkdv_grid_spec, dq_grid_spec, resolve_backward, cost_estimate, chunk_of_block, quarter_tiles, quarters_seen, D_ROW, LOG2E, LSE_ROW, ForwardConfig)
+    BackwardGridSpec, _dbias_order, _full_bias, dbias_config, _q_range, dbias_grid_spec, dkdv_grid_spec, dq_grid_spec, resolve_backward, cost_estimate, chunk_of_block, D_ROW, LOG2E, LSE_ROW, ForwardConfig)
 
 __all__ = ["flash_attention_backward", "EARLY_DV"]
 
@@ -132,25 +134,27 @@ def _dkdv_kernel(*refs, cfg: ForwardConfig, names: RefNames, fused: int = 0):
         def _zero_dq():
             dq_ref[...] = jnp.zeros(dq_ref.shape, jnp.float32)
 
-    def step(sub=None):
+    def step(piece=None):
         starts = forward_grid.global_starts(offsets_ref, i * cfg.block_q, j * cfg.block_k,
                                             q_len, kv_len)
         dq_row = ((i - chunk * per) if chunked else i) * cfg.block_q  # q block i's dq rows
-        _dkdv_tile(ins, cfg, starts, dq_row if fused else None, g, sub)
+        _dkdv_tile(ins, cfg, starts, dq_row if fused else None, g, piece)
 
-    if fused and quarter_tiles(cfg):
-        # A tile the causal diagonal crosses runs as its 2 x 2 sub-tiles, each behind its own
-        # pl.when: the ones above the diagonal (a quarter of it at B_r = B_c) never run.
-        seen = quarters_seen(cfg, i * cfg.block_q, j * cfg.block_k)      # no offsets here
-        every = functools.reduce(jnp.logical_and, seen)
+    if fused and diagonal.applies(cfg):
+        # A tile the causal diagonal crosses runs as its kv strips, each from the first query
+        # it sees (diagonal.cases): straight-line, one list per crossing offset d.
+        d = j * cfg.block_k - i * cfg.block_q                           # no offsets here
 
-        @pl.when(jnp.logical_and(run, jnp.logical_not(every)))
-        def _partial():
-            for n, sub in enumerate(((0, 0), (0, 1), (1, 0), (1, 1))):
-                pl.when(seen[n])(functools.partial(step, sub))
-
-        run = jnp.logical_and(run, every)
-    pl.when(run)(step)
+        @pl.when(run)
+        def _visible():
+            for dc, pieces in diagonal.cases(cfg):
+                @pl.when(d == dc)
+                def _staircase(pieces=pieces):
+                    for piece in pieces:
+                        step(piece)
+            pl.when(jnp.logical_not(diagonal.crossing(cfg, d)))(step)
+    else:
+        pl.when(run)(step)
 
     @pl.when(last)
     def _write():       # scale once per row; chunked: the chunk's float32 partial
@@ -158,27 +162,30 @@ def _dkdv_kernel(*refs, cfg: ForwardConfig, names: RefNames, fused: int = 0):
         dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
 
 
-def _dkdv_tile(ins, cfg: ForwardConfig, starts, dq_row, g, sub=None):
+def _dkdv_tile(ins, cfg: ForwardConfig, starts, dq_row, g, piece=None):
     """One dK/dV step's tile: ``dV_j += P_ijᵀ dO_i``, ``dK_j += dS'_ijᵀ Q_i`` into the
     accumulators, and with ``dq_row`` (the fused kernel: q block i's first row in its dQ
-    block) ``dQ_i += dS'_ij K_j`` into head ``g``'s rows. ``sub``: ``(kv half, q half)``, one
-    sub-tile ``[B_c / 2, B_r / 2]`` of it instead (:func:`quarter_tiles`)."""
+    block) ``dQ_i += dS'_ij K_j`` into head ``g``'s rows. ``piece``
+    (:class:`diagonal.Piece`): only kv rows ``[k_lo, k_hi)`` by queries ``[q_lo, B_r)`` of
+    it, ``[k_hi − k_lo, B_r − q_lo]``, masked only where ``piece.masked``."""
     dk_acc, dv_acc = ins["dk_acc"], ins["dv_acc"]
     acc, view, tcfg, k0, q0 = (...), ins, cfg, 0, 0
-    if sub is not None:                 # the sub-tile's rows of K, V and of Q, dO, stats_t
-        hk, hq = cfg.block_k // 2, cfg.block_q // 2
-        k0, q0 = sub[0] * hk, sub[1] * hq
-        acc, qs = (pl.ds(k0, hk), slice(None)), pl.ds(q0, hq)
+    if piece is not None:               # the piece's rows of K, V and of Q, dO, stats_t
+        k0, q0 = piece.k_lo, piece.q_lo
+        nk, nq = piece.k_hi - k0, cfg.block_q - q0
+        acc, qs = (pl.ds(k0, nk), slice(None)), pl.ds(q0, nq)
         view = dict(ins, q=Window(ins["q"], qs), do=Window(ins["do"], qs),
                     k=Window(ins["k"], acc[0]), v=Window(ins["v"], acc[0]),
                     stats_t=Window(ins["stats_t"], cols=qs))
-        tcfg = dataclasses.replace(cfg, block_q=hq, block_k=hk)
+        unmasked = not (piece.masked or cfg.mask_q_len or cfg.mask_kv_len)
+        tcfg = dataclasses.replace(cfg, block_q=nq, block_k=nk,
+                                   is_causal=cfg.is_causal and not unmasked)
 
     def add_dv(p_t):                                               # dV_j += P_ijᵀ dO_i
         do = view["do"][...]
         dv_acc[acc] += jnp.dot(p_t.astype(do.dtype), do, preferred_element_type=jnp.float32)
     early = (cfg.chip, cfg.masks_tile) in EARLY_DV
-    if sub is not None:
+    if piece is not None:
         starts = (starts[0] + q0, starts[1] + k0, *starts[2:])
     p_t, _, ds_t = _tile(view, tcfg, *starts, transposed=True,
                          use_p=add_dv if early else None)
@@ -187,8 +194,7 @@ def _dkdv_tile(ins, cfg: ForwardConfig, starts, dq_row, g, sub=None):
         add_dv(p_t)
     dk_acc[acc] += jnp.dot(ds_t.astype(q.dtype), q, preferred_element_type=jnp.float32)
     if dq_row is not None:                             # dQ_i += dS'ᵀᵀ K_j: [B_r, d]
-        rows = pl.ds(pl.multiple_of(dq_row + q0 if sub else dq_row, tcfg.block_q),
-                     tcfg.block_q)
+        rows = pl.ds(pl.multiple_of(dq_row + q0, math.gcd(cfg.block_q, q0)), tcfg.block_q)
         ins["dq"][g, rows, :] += jax.lax.dot_general(
             ds_t.astype(q.dtype), view["k"][...], (((0,), (0,)), ((), ())),
             preferred_element_type=jnp.float32)

@@ -10,21 +10,18 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from flashlab.contract import masks
 from flashlab.contract.masks import AttentionSpec
 from flashlab.kernels import blocks as blk
 from flashlab.kernels import forward_config
 from flashlab.kernels.forward_config import ForwardConfig
 
-__all__ = ["BACKWARDS", "MAX_DQ_CHUNKS", "QUARTER_MIN_BLOCK_K", "QUARTER_MIN_BLOCK_Q",
-           "dq_chunks",
-           "make_backward_config", "resolve_backward", "quarter_tiles", "quarters_seen",
-           "quarter_visits"]
+__all__ = ["BACKWARDS", "MAX_DQ_CHUNKS", "dq_chunks", "make_backward_config",
+           "resolve_backward"]
 
 #: The fused backward against the split one, whole backward on the static schedule (the stored
 #: ``bench tpu-static`` run, B=2 T=8192 H=16 d=128 bf16 causal, jax 0.12.0.1 / libtpu
 #: 0.0.50.1): 0.67x at 1024x1024 on v5e and v5p, 0.69x on v6e, 0.70x on 7x (its diagonal
-#: sub-tiles included); on v4, whose 16 MiB of VMEM holds the whole resident dQ only beside
+#: diagonal strips included); on v4, whose 16 MiB of VMEM holds the whole resident dQ only beside
 #: smaller tiles, 0.72x at 512x1024 against the split at its best (1024x1024). So ``"auto"``
 #: runs it wherever it fits.
 BACKWARDS = ("auto", "split", "fused")
@@ -132,53 +129,3 @@ def resolve_backward(spec: AttentionSpec, backward: str = "auto", *, block_q=Non
             f"{blk.vmem_limit_bytes(cfg.chip) / 2**20:.0f} MiB limit; expected "
             f"backward='split' or 'auto' at this length")
     return cfg, n
-
-
-#: The fused kernel runs a causal tile that the diagonal crosses as its 2 x 2 sub-tiles
-#: (halves of B_c by halves of B_r) and skips the ones above the diagonal (a quarter of a
-#: diagonal tile at B_r = B_c, half of one at B_r = B_c / 2), where B_c and B_r are at least
-#: these: on the static schedule (jax 0.12.0.1 / libtpu 0.0.50.1, d = 128 bf16) a 512 x 512
-#: sub-tile costs v5e 2764 cycles against 10443 for the 1024² tile it is a quarter of, and a
-#: 256 x 512 one 1680 on v4 against 5740 for 512 x 1024; a 256 x 256 one costs 1306 on v5e
-#: against 2764 for the whole 512² tile, so three of them lose.
-QUARTER_MIN_BLOCK_K, QUARTER_MIN_BLOCK_Q = 1024, 512
-
-
-def quarter_tiles(cfg: ForwardConfig) -> bool:
-    """Whether the fused backward runs tiles the causal diagonal crosses as sub-tiles
-    (:data:`QUARTER_MIN_BLOCK_K`): causal, no window, offsets, bias, mask or segment ids (the
-    sub-tiles are cut from the position mask alone)."""
-    return (cfg.is_causal and cfg.window is None and not cfg.has_offsets
-            and cfg.bias_bcast is None and cfg.mask_bcast is None and not cfg.has_segments
-            and cfg.block_k >= QUARTER_MIN_BLOCK_K and cfg.block_q >= QUARTER_MIN_BLOCK_Q)
-
-
-def quarters_seen(cfg: ForwardConfig, q_start, k_start) -> list:
-    """Per sub-tile ``(kv half, q half)`` of the tile at ``(q_start, k_start)``, in the order
-    (0, 0), (0, 1), (1, 0), (1, 1): whether it may see anything (:func:`masks.block_maybe_visible`;
-    Python bools for ints, traced for traced positions). The kernel and :func:`quarter_visits`
-    both ask this."""
-    hq, hk = cfg.block_q // 2, cfg.block_k // 2
-    return [masks.block_maybe_visible(q_start + c * hq, q_start + (c + 1) * hq,
-                                      k_start + a * hk, k_start + (a + 1) * hk,
-                                      is_causal=cfg.is_causal, window=cfg.window)
-            for a in (0, 1) for c in (0, 1)]
-
-
-def quarter_visits(cfg: ForwardConfig) -> tuple[int, int]:
-    """``(partial, sub_tiles)`` per (batch, head): the visible tiles the fused kernel runs as
-    sub-tiles (:func:`quarter_tiles`) and the sub-tiles they run, from positions alone (the
-    static schedule's estimate counts them)."""
-    if not quarter_tiles(cfg):
-        return 0, 0
-    partial = subs = 0
-    for i in range(cfg.num_q_blocks):
-        for j in range(cfg.num_kv_blocks):
-            q0, k0 = i * cfg.block_q, j * cfg.block_k
-            if not (k0 < cfg.kv_len and q0 < cfg.q_len and masks.block_maybe_visible(
-                    q0, q0 + cfg.block_q, k0, k0 + cfg.block_k, is_causal=True)):
-                continue                                  # a skipped tile
-            seen = sum(map(bool, quarters_seen(cfg, q0, k0)))
-            if seen < 4:
-                partial, subs = partial + 1, subs + seen
-    return partial, subs

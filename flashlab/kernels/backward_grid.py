@@ -28,8 +28,7 @@ from flashlab.kernels import visit
 from flashlab.compat.pallas import pl
 from flashlab.kernels.block_ranges import _max, _min, div_nonneg
 from flashlab.kernels.backward_config import (  # noqa: F401  (re-exported: one import site)
-    BACKWARDS, MAX_DQ_CHUNKS, dq_chunks, make_backward_config, quarter_tiles, quarters_seen,
-    quarter_visits, resolve_backward)
+    BACKWARDS, MAX_DQ_CHUNKS, dq_chunks, make_backward_config, resolve_backward)
 from flashlab.ladder import online_softmax
 
 

@@ -1,7 +1,7 @@
 """One tile of the backward, recomputed (chapter 07): :func:`tile` gives ``(P, dS, dS')``
 of a ``[B_r, B_c]`` tile (the dQ and dBias kernels) or of its transpose ``[B_c, B_r]`` (the
 dK/dV and fused kernels, :mod:`flashlab.kernels.backward`); :class:`Window` lets it read a
-sub-tile's slice of each block as if it were the whole block.
+piece's slice of each block as if it were the whole block.
 """
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ def tile(ins, cfg: ForwardConfig, q_start, k_start, q_len, kv_len, *, transposed
 
 class Window:
     """``ref[rows, cols]`` read as ``view[...]`` (``view[r, :]``: rows ``r`` of the window's
-    columns): a sub-tile's slice of a block, seen by :func:`tile` as the whole block."""
+    columns): a piece's slice of a block (:class:`diagonal.Piece`), seen by :func:`tile` as the whole block."""
 
     def __init__(self, ref, rows=slice(None), cols=slice(None)):
         self.ref, self.rows, self.cols = ref, rows, cols

@@ -1,0 +1,118 @@
+"""The causal diagonal of the fused backward, cut into kv strips (chapter 07).
+
+A causal tile ``Sᵀ [B_c, B_r]`` (kv rows, query columns) that the diagonal crosses hides every
+score with ``q < k``. Computing the whole tile wastes the hidden part: nearly half of a square
+tile on the diagonal. The fused backward instead cuts such a tile into **pieces** along its kv
+axis, strips of :func:`strip_rows` rows. Strip ``[a, a + w)`` sees queries from
+``max(0, a + d)`` on (tile-local), with ``d = k_start − q_start``. So each strip is a piece
+``K[a : a + w] × Q[q_lo : B_r]``: a staircase that computes ``(n + 1) / 2n`` of a square
+diagonal tile at ``n`` strips (5/8 at 4, 9/16 at 8) instead of all of it. Strips that see
+every query merge into one unmasked piece; strips that see none are dropped.
+
+``d`` is one of a few values fixed by the blocks (one, 0, at ``B_r = B_c``; two at
+``B_c = 2 B_r``): :func:`cases` lists the pieces of each, and the kernel runs the list of the
+tile's ``d`` straight, with no branch between its pieces, so the compiler overlaps one
+piece's matmuls with the next's. Every piece reads windows of the blocks already in VMEM
+(:class:`backward_tile.Window`): no extra DMA. Kv strips, not query strips, so that dK and
+dV (two accumulators) are each read and written once per tile, and only dQ once per piece.
+
+:func:`visits` counts, per case, the tiles that take it: the static schedule's estimate
+(``bench tpu-static``) prices each case by its own region.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from flashlab.contract import masks
+from flashlab.kernels.forward_config import ForwardConfig
+
+__all__ = ["Piece", "STRIP_ROWS", "MIN_BLOCK_K", "MIN_BLOCK_Q", "applies", "strip_rows",
+           "cases", "crossing", "visits"]
+
+#: Kv rows per strip, per chip: the MXU's width (128 on v4/v5e/v5p, 256 on v6e/7x), the
+#: narrowest strip whose matmuls still fill it.
+STRIP_ROWS = {"v4": 128, "v5e": 128, "v5p": 128, "v6e": 256, "7x": 256}
+#: The smallest blocks cut into strips.
+MIN_BLOCK_K, MIN_BLOCK_Q = 512, 512
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """Kv rows ``[k_lo, k_hi)`` by query columns ``[q_lo, B_r)`` of a tile (tile-local);
+    ``masked``: some score in it is hidden (it builds the mask), else every one is seen."""
+    k_lo: int
+    k_hi: int
+    q_lo: int
+    masked: bool
+
+
+def strip_rows(cfg: ForwardConfig) -> int:
+    """The kv strip of ``cfg.chip`` (:data:`STRIP_ROWS`)."""
+    return STRIP_ROWS.get(cfg.chip, 128)
+
+
+def applies(cfg: ForwardConfig) -> bool:
+    """Whether the fused backward cuts diagonal tiles into strips: causal, no window, offsets,
+    bias, mask or segment ids (the pieces are cut from positions alone), blocks of at least
+    :data:`MIN_BLOCK_K` x :data:`MIN_BLOCK_Q` and at least two strips."""
+    return (cfg.is_causal and cfg.window is None and not cfg.has_offsets
+            and cfg.bias_bcast is None and cfg.mask_bcast is None and not cfg.has_segments
+            and cfg.block_k >= MIN_BLOCK_K and cfg.block_q >= MIN_BLOCK_Q
+            and cfg.block_k % strip_rows(cfg) == 0 and cfg.block_k >= 2 * strip_rows(cfg))
+
+
+def crossing(cfg: ForwardConfig, d) -> bool:
+    """Whether the tile at ``d = k_start − q_start`` hides some score (its last kv row comes
+    after its first query): ``d > 1 − B_c``. Ints or traced."""
+    return d > 1 - cfg.block_k
+
+
+def _pieces(cfg: ForwardConfig, d: int) -> tuple[Piece, ...]:
+    w, bq = strip_rows(cfg), cfg.block_q
+    out: list[Piece] = []
+    for a in range(0, cfg.block_k, w):
+        q_lo = max(0, a + d)               # the strip's first row sees queries >= a + d
+        if q_lo >= bq:
+            continue                        # sees no query of this tile
+        masked = a + w - 1 + d > q_lo       # its last row hides the columns before a + w - 1 + d
+        if out and not masked and not out[-1].masked and out[-1].q_lo == q_lo == 0:
+            out[-1] = dataclasses.replace(out[-1], k_hi=a + w)    # merge the unmasked strips
+        else:
+            out.append(Piece(a, a + w, q_lo, masked))
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=256)
+def _cases(cfg: ForwardConfig) -> tuple:
+    ds = sorted({j * cfg.block_k - i * cfg.block_q
+                 for i in range(cfg.num_q_blocks) for j in range(cfg.num_kv_blocks)
+                 if _visible(cfg, i, j) and crossing(cfg, j * cfg.block_k - i * cfg.block_q)})
+    return tuple((d, _pieces(cfg, d)) for d in ds)
+
+
+def _visible(cfg: ForwardConfig, i: int, j: int) -> bool:
+    q0, k0 = i * cfg.block_q, j * cfg.block_k
+    return k0 < cfg.kv_len and q0 < cfg.q_len and masks.block_maybe_visible(
+        q0, q0 + cfg.block_q, k0, k0 + cfg.block_k, is_causal=True)
+
+
+def cases(cfg: ForwardConfig) -> tuple[tuple[int, tuple[Piece, ...]], ...]:
+    """``((d, pieces), ...)``: each offset ``d = k_start − q_start`` at which a visible tile
+    of ``cfg``'s grid is crossed by the diagonal, ascending, with its pieces; ``()`` where
+    :func:`applies` is false."""
+    return _cases(cfg) if applies(cfg) else ()
+
+
+def visits(cfg: ForwardConfig) -> tuple[int, ...]:
+    """Per case of :func:`cases` (same order), the visible tiles per (batch, head) that take
+    it, from positions alone."""
+    if not applies(cfg):
+        return ()
+    count = dict.fromkeys((d for d, _ in _cases(cfg)), 0)
+    for i in range(cfg.num_q_blocks):
+        for j in range(cfg.num_kv_blocks):
+            d = j * cfg.block_k - i * cfg.block_q
+            if d in count and _visible(cfg, i, j):
+                count[d] += 1
+    return tuple(count.values())
