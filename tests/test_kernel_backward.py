@@ -253,11 +253,15 @@ def test_diagonal_strips_cut_the_staircase():
     assert all(p.masked and p.k_hi - p.k_lo == 128 for p in pieces)
     area = sum((p.k_hi - p.k_lo) * (1024 - p.q_lo) for p in pieces)
     assert area / 1024**2 == 9 / 16 and diagonal.visits(cfg) == (2,)
+    assert diagonal.picture(cfg, 0).splitlines()[:2] == ["\\#######", ".\\######"]
+    with pytest.raises(ValueError, match=r"d: expected one of the crossing offsets \[0\]"):
+        diagonal.picture(cfg, 512)
     cfg = make_backward_config(spec, block_q=1024, block_k=2048, chip="v6e", fused=True)
     strips = tuple(Piece(a, a + 256, a - 1024 * (a >= 1024), True) for a in range(0, 2048, 256))
     assert diagonal.cases(cfg) == ((-1024, (Piece(0, 1024, 0, False), *strips[4:])),
                                    (0, strips[:4]))
     assert diagonal.visits(cfg) == (1, 1)
+    assert diagonal.picture(cfg, -1024).splitlines()[9] == "x\\######"   # a 256-row strip
     assert not diagonal.applies(make_backward_config(spec, block_q=256, block_k=256,
                                                      chip="v5e"))
     x = jax.ShapeDtypeStruct((1, 2048, 1, 128), jnp.bfloat16)

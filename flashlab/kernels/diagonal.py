@@ -28,7 +28,7 @@ from flashlab.contract import masks
 from flashlab.kernels.forward_config import ForwardConfig
 
 __all__ = ["Piece", "STRIP_ROWS", "MIN_BLOCK_K", "MIN_BLOCK_Q", "applies", "strip_rows",
-           "cases", "crossing", "visits"]
+           "cases", "crossing", "visits", "picture"]
 
 #: Kv rows per strip, per chip: the MXU's width (128 on v4/v5e/v5p, 256 on v6e/7x), the
 #: narrowest strip whose matmuls still fill it.
@@ -116,3 +116,22 @@ def visits(cfg: ForwardConfig) -> tuple[int, ...]:
             if d in count and _visible(cfg, i, j):
                 count[d] += 1
     return tuple(count.values())
+
+
+def picture(cfg: ForwardConfig, d: int, cell: int = 128) -> str:
+    """The tile at offset ``d`` as text, one character per ``cell x cell`` scores, kv rows
+    down and queries across (``Sᵀ``): ``#`` computed, every score seen; ``\\`` computed, the
+    diagonal crosses it; ``x`` computed, every score hidden; ``.`` not computed (hidden)."""
+    pieces = dict(cases(cfg)).get(d)
+    if pieces is None:
+        raise ValueError(f"d: expected one of the crossing offsets {[c for c, _ in cases(cfg)]}"
+                         f" of this config, got {d!r}")
+    lines = []
+    for r in range(0, cfg.block_k, cell):
+        row = ""
+        for c in range(0, cfg.block_q, cell):
+            done = any(p.k_lo <= r < p.k_hi and p.q_lo <= c for p in pieces)
+            seen_all, seen_any = c >= r + cell - 1 + d, c + cell - 1 >= r + d
+            row += ("." if not done else "#" if seen_all else "\\" if seen_any else "x")
+        lines.append(row)
+    return "\n".join(lines)
