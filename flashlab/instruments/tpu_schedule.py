@@ -323,8 +323,9 @@ def analyze(packed_path, util_path=None, kernel: str | None = None) -> TileSched
                                   f"of the loop; cannot tell the tile apart")
     tile = anchor = min(holding, key=lambda r: r.cycles)   # init/finalize: beside the anchor
     partial, cases = tpu_paths.partial_path(tile, inner, mm), []
-    if partial is not None:           # two tile paths: the full one is the tile
-        tile, partial, chunks = anchor, _, _ = partial      # the anchor: the full tile
+    if partial is not None:           # two tile paths: the full one is the tile (and anchor)
+        tile, partial, chunks = partial
+        anchor = tile
     elif (found := tpu_paths.case_paths(tile, inner, mm, _mxu_rows(bundles))) is not None:
         tile, cases = found           # the whole tile, and the diagonal's cases, in the anchor
     parents = [r for r in inner if r.contains(anchor)]
