@@ -300,10 +300,11 @@ def test_auto_backward_is_fused_where_its_resident_dq_fits():
     assert resolve_backward(_abstract_spec(8192), "auto", chip="v4", block_q=512,
                             block_k=1024)[1] == 1
     # 128 MiB of dQ on v5e: two chunks of 64; G = 8 query heads per kv head at T = 32768
-    # (128 MiB) on v6e: two chunks; on v4 at 512x512, T = 131072 (64 MiB): eight chunks
+    # (128 MiB) on v6e at 1024²: two chunks; on v4 at 512x512, T = 131072 (64 MiB): eight chunks
     assert resolve_backward(_abstract_spec(262144), "auto", chip="v5e", block_q=512,
                             block_k=512)[1] == 2
-    assert resolve_backward(_abstract_spec(32768, heads=8), "auto", chip="v6e")[1] == 2
+    assert resolve_backward(_abstract_spec(32768, heads=8), "auto", chip="v6e", block_q=1024,
+                            block_k=1024)[1] == 2
     assert resolve_backward(_abstract_spec(131072), "auto", chip="v4", block_q=512,
                             block_k=512)[1] == MAX_DQ_CHUNKS
     assert not resolve_backward(_abstract_spec(8192), "split", chip="v5e")[1]
