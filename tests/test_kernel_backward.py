@@ -226,7 +226,6 @@ def test_fused_backward_runs_diagonal_tiles_as_strips(monkeypatch, visit, chunks
     monkeypatch.setattr(diagonal, "MIN_BLOCK_K", 256)
     monkeypatch.setattr(diagonal, "MIN_BLOCK_Q", 256)
     monkeypatch.setattr(diagonal, "STRIP_ROWS", {})               # 128 rows everywhere
-    diagonal._cases.cache_clear()
     q, k, v, dout, (q_, k_, v_, spec, out, lse) = _causal_case(29, 1, T, 2, 1, 64, 256)
     cfg = make_backward_config(spec, block_q=bq, block_k=bk, visit_grid=visit)
     assert diagonal.applies(cfg) and diagonal.cases(cfg)

@@ -300,7 +300,7 @@ def test_the_fused_backwards_dq_zeroing_is_priced_once_per_head():
     from flashlab.benchmarks import tpu_static as bts
     s = types.SimpleNamespace(outside_loop_cycles=0, step_cycles=1, tile_cycles=10,
                               init_cycles=1000 + 20, finalize_cycles=5,
-                              init_regions=[(1000, 1024), (20, 4)])
+                              init_regions=[(1000, 1024), (20, 4)], case_cycles=[])
     # T = 8192, d = 128: 1024 vregs of float32 stored by the zeroing region
     zero = bts.resident_zeroing(s, seq_len=8192, block_q=1024, head_dim=128)
     assert zero == 1000

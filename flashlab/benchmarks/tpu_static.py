@@ -207,8 +207,8 @@ def measure(*, chips, libraries=LIBRARIES, modes=("default", "equal"), block=512
                 if role == "dkdv" and d.info["blocks"].get("fused"):
                     role = "fused"         # one kernel for dQ, dK and dV (ours or splash's)
                 if role in kernels and (role == "forward") != bwd:
-                    per_head = d.info["blocks"].get(     # partial tiles, their chunks
-                        "chunk_visits" if role == "forward" else "", (0, 0))
+                    per_head = d.info["blocks"].get("chunk_visits", (0, 0)) if (
+                        role == "forward") else (0, 0)      # partial tiles, their chunks
                     k = dataclasses.replace(k, role=role)
                     rows.append(_row(k, blocks, chip=c, library=lib, mode=m,
                                      causal=causal, timeline=(c == timeline_chip and m == "equal"),

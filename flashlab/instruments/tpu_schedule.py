@@ -206,25 +206,30 @@ def parse_utilization(text: str, path: str = "<text>") -> tuple[dict, list[list[
     return dict(zip(cols, caps)), rows
 
 
-def _mxu_rows(bundles: list[Bundle]) -> dict[int, int]:
-    """Bundle index -> MXU rows its vmatmuls stream (the model of :func:`mxu_busy`)."""
-    return {b.index: sum(MXU_ROWS.get(m.group(2), 8) // (2 if m.group(1) else 1)
-                         for o in b.opcodes if (m := _MATMUL.match(o)))
-            for b in bundles if any(_MATMUL.match(o) for o in b.opcodes)}
+def _streamed(b: Bundle, path: str) -> list[int]:
+    """The MXU rows each vmatmul of bundle ``b`` streams: 8 sublanes times the LHS dtype's
+    packing, half that for ``mubr`` and ``lmr``."""
+    rows = []
+    for op in b.opcodes:
+        if (m := _MATMUL.match(op)) is None:
+            continue
+        if m.group(2) not in MXU_ROWS:
+            raise ScheduleFormatError(f"{path}: bundle {b.index}: {op}: unknown matmul "
+                                      f"dtype {m.group(2)!r} (known: {list(MXU_ROWS)})")
+        rows.append(MXU_ROWS[m.group(2)] // (2 if m.group(1) else 1))
+    return rows
+
+
+def matmul_rows(bundles: list[Bundle], path: str = "<text>") -> dict[int, int]:
+    """Bundle index -> the MXU rows its vmatmuls stream, for each bundle that issues one."""
+    return {b.index: sum(r) for b in bundles if (r := _streamed(b, path))}
 
 
 def mxu_busy(bundles: list[Bundle], path: str = "<text>") -> list[int]:
     """Per bundle, how many MXUs are busy under our model (see the module docstring)."""
     busy = [0] * (len(bundles) + 64)
     for b in bundles:
-        for op in b.opcodes:
-            m = _MATMUL.match(op)
-            if m is None:
-                continue
-            if m.group(2) not in MXU_ROWS:
-                raise ScheduleFormatError(f"{path}: bundle {b.index}: {op}: unknown matmul "
-                                          f"dtype {m.group(2)!r} (known: {list(MXU_ROWS)})")
-            rows = MXU_ROWS[m.group(2)] // (2 if m.group(1) else 1)
+        for rows in _streamed(b, path):
             for c in range(b.index + 1, b.index + 1 + rows):
                 busy[c] += 1
     return busy
@@ -313,7 +318,8 @@ def analyze(packed_path, util_path=None, kernel: str | None = None) -> TileSched
         raise ScheduleFormatError(f"{packed_path}: the loop's first bundle {start} is not "
                                   f"labelled 'LB:'; the loop markers moved")
     inner = [r for r in fwd if start <= r.branch and r.target <= end]
-    mm = [b.index for b in bundles if any(_MATMUL.match(o) for o in b.opcodes)]
+    streamed = matmul_rows(bundles, str(packed_path))
+    mm = sorted(streamed)                                  # the bundles issuing vmatmuls
     if not mm or mm[0] < start or mm[-1] > end:
         raise ScheduleFormatError(f"{packed_path}: vmatmuls at bundles {mm[:1]}..{mm[-1:]} "
                                   f"are not all inside the grid loop {start}..{end}")
@@ -326,7 +332,7 @@ def analyze(packed_path, util_path=None, kernel: str | None = None) -> TileSched
     if partial is not None:           # two tile paths: the full one is the tile (and anchor)
         tile, partial, chunks = partial
         anchor = tile
-    elif (found := tpu_paths.case_paths(tile, inner, mm, _mxu_rows(bundles))) is not None:
+    elif (found := tpu_paths.case_paths(tile, inner, mm, streamed)) is not None:
         tile, cases = found           # the whole tile, and the diagonal's cases, in the anchor
     parents = [r for r in inner if r.contains(anchor)]
     parent = min(parents, key=lambda r: r.cycles) if parents else None
@@ -392,8 +398,7 @@ def kernel_cycles(s: TileSchedule, *, steps: int, tiles: int, rows: int, partial
     if partial:
         cycles += (partial * (s.partial_overhead_cycles - s.tile_cycles)
                    + round(partial_chunks * s.chunk_cycles))
-    case_cycles = getattr(s, "case_cycles", [])
-    if len(cases) != len(case_cycles):
+    if len(cases) != len(s.case_cycles):
         raise ValueError(f"cases: expected a count for each of the schedule's "
-                         f"{len(case_cycles)} diagonal case regions, got {len(cases)}")
-    return cycles + sum(n * (c - s.tile_cycles) for n, c in zip(cases, case_cycles))
+                         f"{len(s.case_cycles)} diagonal case regions, got {len(cases)}")
+    return cycles + sum(n * (c - s.tile_cycles) for n, c in zip(cases, s.case_cycles))

@@ -20,10 +20,10 @@ __all__ = ["BACKWARDS", "MAX_DQ_CHUNKS", "dq_chunks", "make_backward_config",
 
 #: The fused backward against the split one, whole backward on the static schedule (the stored
 #: ``bench tpu-static`` run, B=2 T=8192 H=16 d=128 bf16 causal, jax 0.12.0.1 / libtpu
-#: 0.0.50.1): 0.67x at 1024x1024 on v5e and v5p, 0.69x on v6e, 0.70x on 7x (its diagonal
-#: diagonal strips included); on v4, whose 16 MiB of VMEM holds the whole resident dQ only beside
-#: smaller tiles, 0.72x at 512x1024 against the split at its best (1024x1024). So ``"auto"``
-#: runs it wherever it fits.
+#: 0.0.50.1): 0.65x at 1024x1024 on v5e and v5p, 0.66x on v6e and 7x (its diagonal strips
+#: included); on v4, whose 16 MiB of VMEM holds the whole resident dQ only beside smaller
+#: tiles, 0.68x at 512x1024 against the split at its best (1024x1024). So ``"auto"`` runs it
+#: wherever it fits.
 BACKWARDS = ("auto", "split", "fused")
 #: The most query chunks the fused backward splits its resident dQ into when the whole
 #: ``[G, T, d]`` does not fit VMEM (:func:`dq_chunks`). Each chunk re-reads K and V and writes
@@ -109,7 +109,7 @@ def resolve_backward(spec: AttentionSpec, backward: str = "auto", *, block_q=Non
     it fits at the backward's blocks (the ones given, else the measured table's,
     :func:`blocks.choose_backward_block_sizes`, which ranks each pair by the backward that
     runs there), else split: the fused backward is faster on every chip where it fits
-    (0.67-0.72x the split's static estimate), and the choice never trades tiles for it.
+    (0.65-0.68x the split's static estimate), and the choice never trades tiles for it.
     """
     if not isinstance(backward, str) or backward not in BACKWARDS:
         raise ValueError(f"backward: expected one of {BACKWARDS}, got {backward!r}")

@@ -88,38 +88,31 @@ def _pieces(cfg: ForwardConfig, d: int) -> tuple[Piece, ...]:
 
 
 @functools.lru_cache(maxsize=256)
-def _cases(cfg: ForwardConfig) -> tuple:
-    ds = sorted({j * cfg.block_k - i * cfg.block_q
-                 for i in range(cfg.num_q_blocks) for j in range(cfg.num_kv_blocks)
-                 if _visible(cfg, i, j) and crossing(cfg, j * cfg.block_k - i * cfg.block_q)})
-    return tuple((d, _pieces(cfg, d)) for d in ds)
-
-
-def _visible(cfg: ForwardConfig, i: int, j: int) -> bool:
-    q0, k0 = i * cfg.block_q, j * cfg.block_k
-    return k0 < cfg.kv_len and q0 < cfg.q_len and masks.block_maybe_visible(
-        q0, q0 + cfg.block_q, k0, k0 + cfg.block_k, is_causal=True)
+def _crossed(cfg: ForwardConfig) -> dict[int, int]:
+    """Offset ``d`` -> the visible tiles per (batch, head) the diagonal crosses there,
+    ascending in ``d``: one pass over the grid, from positions alone."""
+    count: dict[int, int] = {}
+    for i in range(cfg.num_q_blocks):
+        for j in range(cfg.num_kv_blocks):
+            q0, k0 = i * cfg.block_q, j * cfg.block_k
+            if (k0 < cfg.kv_len and q0 < cfg.q_len and crossing(cfg, k0 - q0)
+                    and masks.block_maybe_visible(q0, q0 + cfg.block_q, k0, k0 + cfg.block_k,
+                                                  is_causal=True)):
+                count[k0 - q0] = count.get(k0 - q0, 0) + 1
+    return dict(sorted(count.items()))
 
 
 def cases(cfg: ForwardConfig) -> tuple[tuple[int, tuple[Piece, ...]], ...]:
     """``((d, pieces), ...)``: each offset ``d = k_start − q_start`` at which a visible tile
     of ``cfg``'s grid is crossed by the diagonal, ascending, with its pieces; ``()`` where
     :func:`applies` is false."""
-    return _cases(cfg) if applies(cfg) else ()
+    return tuple((d, _pieces(cfg, d)) for d in _crossed(cfg)) if applies(cfg) else ()
 
 
 def visits(cfg: ForwardConfig) -> tuple[int, ...]:
     """Per case of :func:`cases` (same order), the visible tiles per (batch, head) that take
     it, from positions alone."""
-    if not applies(cfg):
-        return ()
-    count = dict.fromkeys((d for d, _ in _cases(cfg)), 0)
-    for i in range(cfg.num_q_blocks):
-        for j in range(cfg.num_kv_blocks):
-            d = j * cfg.block_k - i * cfg.block_q
-            if d in count and _visible(cfg, i, j):
-                count[d] += 1
-    return tuple(count.values())
+    return tuple(_crossed(cfg).values()) if applies(cfg) else ()
 
 
 def picture(cfg: ForwardConfig, d: int, cell: int = 128) -> str:
