@@ -80,11 +80,12 @@ def test_auto_visit_grid_only_where_it_skips_steps():
 
 @pytest.mark.parametrize("T, block, chip, bwd_on_visits", [
     (2048, 1024, "7x", False), (8192, 1024, "v5e", True), (2048, 512, "7x", True),
-    (2048, 512, "v5e", False)])
+    (2048, 512, "v5e", False), (2048, 512, "v4", False), (2048, 512, "v5p", True)])
 def test_the_backward_takes_a_visit_list_only_where_it_pays(T, block, chip, bwd_on_visits):
     # causal: T=2048 at 1024² keeps 3 of 4 steps (the forward's visit step pays, the
     # backward's dearer ones do not: forward_config.VISIT_MAX_SHARE), T=8192 keeps 36 of 64,
-    # T=2048 at 512² 10 of 16 (enough, except on v5e, whose dense step is the cheapest).
+    # T=2048 at 512² 10 of 16 (enough, except on v4 and v5e, whose dense steps are the
+    # cheapest against their visit steps).
     x = jnp.zeros((1, T, 2, 128), jnp.bfloat16)
     spec = masks.validate(x, x, x, None, None, is_causal=True)[3]
     fwd = forward_config.make_config(spec, block_q=block, block_k=block, chip=chip)
@@ -221,3 +222,48 @@ def test_backward_visit_grid_matches_dense_grid_and_oracle(q_len, kv_len, causal
                                    err_msg=f"d{name}: visit grid vs dense grid")
         np.testing.assert_allclose(np.asarray(got), np.asarray(r), atol=1e-4 * scale,
                                    err_msg=f"d{name}: visit grid vs float64 oracle")
+
+
+@pytest.mark.parametrize("causal,window,visit_grid,fused", [
+    (True, None, True, 0), (True, None, False, 0), (False, (96, 0), True, 2),
+    (True, (64, None), False, 1)])
+def test_every_index_map_stays_in_bounds_for_any_lengths(causal, window, visit_grid, fused):
+    """The forward and backward kernels compile with Mosaic's DMA bounds checks off
+    (``ForwardGridSpec.bounds_checks``): that is sound only if no index map can leave its
+    array, whatever run-time lengths the caller passes (negative, zero, past the end, huge).
+    Replay every BlockSpec of the forward, dQ and dK/dV grids (fused: whole dQ, or 2 query
+    chunks) at every grid step against its operand's block count; the decode kernel keeps the
+    checks (its page table is the caller's)."""
+    import itertools
+    from flashlab.kernels import decode_grid
+    q, k, v, a = _spec(500, 700, causal, window)
+    a.update(query_seq_lengths=jnp.array([1]), key_value_seq_lengths=jnp.array([1]))
+    spec = masks.validate(q, k, v, None, None, **a)[3]
+    cfg = forward_config.make_config(spec, block_q=128, block_k=128, visit_grid=visit_grid)
+    bcfg = backward_grid.make_backward_config(spec, block_q=128, block_k=128,
+                                              visit_grid=visit_grid)
+    assert cfg.mask_q_len and cfg.mask_kv_len and cfg.visit_grid == visit_grid
+    grids = [forward_grid.forward_grid_spec(cfg), backward_grid.dq_grid_spec(bcfg, False),
+             backward_grid.dkdv_grid_spec(bcfg, fused=fused)]
+    big = 2 ** 30
+    lengths = [(-5, -5), (0, 0), (1, big), (big, 1), (499, 700), (big, big), (37, 0)]
+    for gs in grids:
+        assert not gs.bounds_checks and gs.compiler_params(False).disable_bounds_checks
+        assert not gs.compiler_params(True).disable_bounds_checks     # interpret: no kwargs
+        pre = [np.asarray(x) for x in (gs.visits() if hasattr(gs, "visits") else
+                                       ([jnp.asarray(visit.planes(cfg.visits()))]
+                                        if cfg.visit_grid else []))]
+        for ql, kl in lengths:
+            ql, kl = np.array([ql], np.int64), np.array([kl], np.int64)
+            for step in itertools.product(*map(range, gs.grid)):
+                for spec_, shape in zip(gs.in_specs + gs.out_specs,
+                                        gs.in_shapes + gs.out_shapes):
+                    idx = spec_.index_map(*step, ql, kl, *pre)
+                    dims = [d for d in spec_.block_shape]
+                    for x, n, blk_ in zip(idx, shape.shape, dims):
+                        count = n if blk_ is None else n // blk_
+                        assert 0 <= int(x) < count, (gs.grid, step, ql, kl, idx, shape)
+    assert decode_grid.DecodeGridSpec.bounds_checks
+    with forward_grid.bounds_checked():
+        assert not grids[0].compiler_params(False).disable_bounds_checks
+    assert grids[0].compiler_params(False).disable_bounds_checks

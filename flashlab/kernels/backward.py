@@ -101,7 +101,7 @@ def _dkdv_kernel(*refs, cfg: ForwardConfig, names: RefNames, fused: int = 0):
     last_g = cfg.group_size - 1
     chunk = 0
     if on_visits:               # (j, i) from the transposed visit list; the G heads innermost
-        j, i, first_i, last_i, run = visit.step(ins["visits"][pl.program_id(2)])
+        j, i, first_i, last_i, run = visit.step_at(ins["visits"], pl.program_id(2))
         ranged = cfg.mask_q_len or cfg.mask_kv_len      # listed = positionally visible
         if chunked:             # chunk after chunk, each listing every kv row from j = 0
             chunk = chunk_of_block(i, per)
@@ -210,7 +210,7 @@ def _dq_kernel(*refs, cfg: ForwardConfig, names: RefNames, has_ds):
     q_lengths, kv_lengths = forward_grid.static_lengths(cfg, ins["q_lengths"], ins["kv_lengths"])
     q_len, kv_len = q_lengths[b], kv_lengths[b]
     if "visits" in ins:                          # (i, j) from the forward's visit list
-        i, j, first, last, run = visit.step(ins["visits"][pl.program_id(2)])
+        i, j, first, last, run = visit.step_at(ins["visits"], pl.program_id(2))
         ranged = cfg.mask_q_len or cfg.mask_kv_len      # listed = positionally visible
     else:
         i, j = pl.program_id(2), pl.program_id(3)

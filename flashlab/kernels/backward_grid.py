@@ -62,11 +62,15 @@ class BackwardGridSpec(forward_grid.ForwardGridSpec):
     q_chunks: int = 1
 
     def visits(self) -> list:
-        """The visit-list operand ``[visits [n] int32]`` of a visit grid, else ``[]``."""
+        """The visit-list operand ``[visits [3n] int32]`` (:func:`visit.planes`) of a visit
+        grid, else ``[]``."""
         if self.visit_rows is None:
             return []
-        return [jnp.asarray(self.config.visits(transposed=self.visit_rows == "kv",
-                                               q_chunks=self.q_chunks))]
+        return [jnp.asarray(visit.planes(self.visit_list()))]
+
+    def visit_list(self):
+        """The packed visit list ``int32 [n]`` this grid runs over (:func:`visit.visit_table`)."""
+        return self.config.visits(transposed=self.visit_rows == "kv", q_chunks=self.q_chunks)
 
 
 def prefetch_names(cfg: ForwardConfig, visits: bool = False) -> tuple[str, ...]:
@@ -179,16 +183,17 @@ def dkdv_grid_spec(cfg: ForwardConfig, fused: int = 0) -> BackwardGridSpec:
             lo, hi = _max(lo, chunk * per), _min(hi, chunk * per + per - 1)
         return blk.clamp_block(i, lo, hi, cfg.num_q_blocks)   # same clamp, on the q axis
 
-    if on_visits:                       # (b, hk, t, g): (j, i) from the visit list
+    nv = len(cfg.visits(transposed=True, q_chunks=max(n, 1))) if on_visits else 0
+    if on_visits:                       # (b, hk, t, g): (j, i) from the visit list's planes
         def idx(b, hk, t, g, q_lengths, kv_lengths, visits):      # -> (b, h, j, i)
-            j, i, _ = visit.unpack(visits[t])
+            j, i = visit.at(visits, t)
             if clamp:                   # run-time lengths: a step past them copies nothing
                 i = q_block(b, j, i, q_lengths, kv_lengths,
                             chunk=chunk_of_block(i, per) if n > 1 else None)
             return b, hk * G + g, j, i
 
         def chunk_of(b, hk, t, *a):
-            return chunk_of_block(visit.unpack(a[-1][t])[1], per)
+            return chunk_of_block(visit.at(a[-1], t)[1], per)
     elif n > 1:                         # (b, hk, c, j, g, i): i local to chunk c
         def idx(b, hk, c, j, g, i, q_lengths, kv_lengths, offsets=None):
             return b, hk * G + g, j, q_block(b, j, c * per + i, q_lengths, kv_lengths,
@@ -205,7 +210,7 @@ def dkdv_grid_spec(cfg: ForwardConfig, fused: int = 0) -> BackwardGridSpec:
         return (b, h, i, 0)
 
     def kv_block(*a):                   # j: the grid's, or the row of visits[t] (no clamp)
-        return visit.unpack(a[-1][a[2]])[0] if on_visits else a[3 if n > 1 else 2]
+        return a[-1][a[2]] if on_visits else a[3 if n > 1 else 2]   # the rows plane: j
 
     def kv_map(*a):                                          # K_j, V_j, dK_j, dV_j
         return (a[0], a[1], kv_block(*a), 0)
@@ -248,7 +253,7 @@ def dkdv_grid_spec(cfg: ForwardConfig, fused: int = 0) -> BackwardGridSpec:
         out_shapes += (sds((B, cfg.num_heads, cfg.q_len_p, Dp), jnp.float32),)
     scratch = (compat.VMEM((bk, Dp), jnp.float32), compat.VMEM((bk, Dvp), jnp.float32))
     if on_visits:
-        grid = (B, K, len(cfg.visits(transposed=True, q_chunks=max(n, 1))), G)
+        grid = (B, K, nv, G)
         dims = ("parallel", "parallel", "arbitrary", "arbitrary")
     elif n > 1:
         grid = (B, K, n, cfg.num_kv_blocks, G, per)

@@ -226,6 +226,7 @@ class DecodeGridSpec(ForwardGridSpec):
     """
 
     dimension_semantics: tuple[str, ...] = ("parallel", "parallel", "arbitrary")
+    bounds_checks: bool = True     # the page table is the caller's: keep Mosaic's DMA checks
 
 
 def decode_grid_spec(cfg: DecodeConfig) -> DecodeGridSpec:

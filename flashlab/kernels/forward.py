@@ -171,7 +171,7 @@ def _forward_kernel(*refs, cfg: ForwardConfig, names: RefNames):
     q_lens, kv_lens = static_lengths(cfg, ins["q_lengths"], ins["kv_lengths"])
     q_len, kv_len = q_lens[b], kv_lens[b]
     if cfg.visit_grid:   # listed = positionally visible; only run-time lengths left to test
-        i, j, first, last, listed = visit.step(ins["visits"][pl.program_id(2)])
+        i, j, first, last, listed = visit.step_at(ins["visits"], pl.program_id(2))
     else:
         i, j = pl.program_id(2), pl.program_id(3)
         first, last = j == 0, j == cfg.num_kv_blocks - 1
@@ -337,7 +337,7 @@ def _forward(query, key, value, spec, *, cfg: ForwardConfig, interpret):
     q_lengths, kv_lengths, ops = _prepare(cfg, query, key, value, spec)
     if cfg.has_sinks:            # forward only: the backward kernels never read the sink
         ops.append(sinks_operand(spec.sinks))
-    visits = [jnp.asarray(cfg.visits())] if cfg.visit_grid else []
+    visits = [jnp.asarray(visit.planes(cfg.visits()))] if cfg.visit_grid else []
     outs = _pallas_forward(cfg, interpret, q_lengths, kv_lengths,
                            *offset_operands(cfg, spec), *visits, *ops)
     o = jnp.swapaxes(outs[0][:, :, :cfg.q_len, :cfg.head_dim_v], 1, 2)   # [B, T, N, d_v]

@@ -282,16 +282,17 @@ def _log2_scores(cfg: ForwardConfig) -> bool:
 #: default (``visit_grid=None``), per kernel and chip. A visit step reads its block indices
 #: from SMEM and costs more than a dense one in the backward kernels, so skipping a quarter of
 #: the steps does not pay there. Measured with ``bench tpu-static`` (jax 0.12.0.1, libtpu
-#: 0.0.50.1; causal, bf16, d=128, each kernel on both grids):
+#: 0.0.50.1; causal, bf16, d=128; the forward and the fused backward on both grids, with the
+#: DMA bounds checks off and the visit list read as planes; visit / dense estimate):
 #:
 #: * T=2048, 1024² (the list keeps 3 of 4 steps): the forward's list wins on all five chips
-#:   (v5e 0.402 -> 0.397 ms, 7x 0.0873 -> 0.0863), the backward's lose on all five (dK/dV
-#:   v5e 0.570 against 0.581 ms, 7x 0.1130 against 0.1133; dQ likewise);
-#: * T=2048, 512² (10 of 16): the backward's win on v4, v5p, v6e and 7x (dK/dV 7x 0.142 ->
-#:   0.137 ms) and lose on v5e, whose dense step is the cheapest (dK/dV 206 cycles against a
-#:   visit step of 437; 0.566 against 0.590 ms);
-#: * T=8192, 1024² (36 of 64): the backward's win everywhere (v5e by 0.2%).
-VISIT_MAX_SHARE = {("forward", None): 1.0, ("backward", None): 2 / 3, ("backward", "v5e"): 0.6}
+#:   (0.978-0.996), the fused backward's loses on four (v5e 1.008: a visit step of 320 cycles
+#:   against a dense one of 195; v6e wins by 0.2%);
+#: * T=2048, 512² (10 of 16): the backward's wins on v5p, v6e and 7x (0.968-0.989) and loses
+#:   on v4 (1.0025) and v5e (1.0046);
+#: * T=8192, 512² and 1024² (17 and 18 of 32): the backward's wins everywhere (0.949-0.995).
+VISIT_MAX_SHARE = {("forward", None): 1.0, ("backward", None): 2 / 3, ("backward", "v5e"): 0.6,
+                   ("backward", "v4"): 0.6}
 
 
 def visit_max_share(kernel: str, chip: str | None) -> float:

@@ -9,6 +9,8 @@ the same objects to count HBM bytes.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 from typing import Any, Callable, NamedTuple
 
@@ -24,7 +26,7 @@ from flashlab.compat.pallas import pl
 from flashlab.kernels.forward_config import (
     ForwardConfig)
 
-__all__ = ["ForwardGridSpec", "IndexMaps", "forward_grid_spec", "global_starts", "index_maps", "mask_operands", "offset_shift", "sinks_operand", "static_lengths", "visit_index_maps"]
+__all__ = ["ForwardGridSpec", "bounds_checked", "IndexMaps", "forward_grid_spec", "global_starts", "index_maps", "mask_operands", "offset_shift", "sinks_operand", "static_lengths", "visit_index_maps"]
 
 # ----------------------------------------------------------------------------- grid as data
 
@@ -52,6 +54,15 @@ class ForwardGridSpec:
     dimension_semantics: tuple[str, ...] = ("parallel", "parallel", "parallel", "arbitrary")
     prefetch_names: tuple[str, ...] | None = None    # None: the kernel takes positional refs
     scratch_names: tuple[str, ...] = ()
+    # Mosaic guards every DMA with a run-time bounds check (address arithmetic, a chain of
+    # predicate ops and an ``shalt.err`` per copy, on the grid step's scalar critical path).
+    # These index maps cannot leave the arrays: visit lists are built from static shapes, and
+    # every run-time length goes through ``blocks.clamp_block``, whose result is in
+    # ``[0, num_blocks)`` for any lengths (tests/test_kernel_visit.py replays them). So the
+    # check is off here (on inside :func:`bounds_checked`): v5e, 512², causal T=8192, the
+    # forward's step fell from 266 to 199 cycles and the fused backward's from 430 to 310.
+    # The decode kernel keeps it: its page table is the caller's data.
+    bounds_checks: bool = False
 
     def ref_names(self) -> RefNames:
         """The names of the kernel's refs in ``pallas_call`` order (:func:`name_refs`)."""
@@ -88,10 +99,12 @@ class ForwardGridSpec:
     def compiler_params(self, interpret):
         """``CompilerParams`` for this grid: its dimension semantics and, compiled
         (``interpret is False``), the scoped VMEM limit the blocks were sized for
-        (:func:`blocks.vmem_limit_bytes` of the config's chip, else the compile target)."""
+        (:func:`blocks.vmem_limit_bytes` of the config's chip, else the compile target) and
+        Mosaic's DMA bounds checks off unless :attr:`bounds_checks`."""
         kw = {}
         if interpret is False:
             kw["vmem_limit_bytes"] = blk.vmem_limit_bytes(getattr(self.config, "chip", None))
+            kw["disable_bounds_checks"] = not (self.bounds_checks or _BOUNDS_CHECKED.get())
         return compat.CompilerParams(dimension_semantics=self.dimension_semantics, **kw)
 
     def spec(self, name: str):
@@ -102,6 +115,21 @@ class ForwardGridSpec:
     def shape(self, name: str) -> jax.ShapeDtypeStruct:
         names = self.in_names + self.out_names
         return (self.in_shapes + self.out_shapes)[names.index(name)]
+
+
+_BOUNDS_CHECKED = contextvars.ContextVar("flashlab_bounds_checked", default=False)
+
+
+@contextlib.contextmanager
+def bounds_checked():
+    """Kernels traced inside compile with Mosaic's DMA bounds checks on (a debugging aid when
+    an index map changes: an out-of-range copy then halts with an error instead of reading
+    another array's bytes; each copy pays its check on the grid step's scalar path)."""
+    token = _BOUNDS_CHECKED.set(True)
+    try:
+        yield
+    finally:
+        _BOUNDS_CHECKED.reset(token)
 
 
 class _Const:
@@ -216,24 +244,25 @@ def index_maps(cfg: ForwardConfig) -> IndexMaps:
 
 
 def visit_index_maps(cfg: ForwardConfig) -> IndexMaps:
-    """Index maps of the visit grid ``(b, h, t)``: ``(i, j)`` decoded from ``visits[t]``.
+    """Index maps of the visit grid ``(b, h, t)``: ``(i, j)`` of visit ``t``.
 
-    Every map is ``(b, h, t, q_lengths, kv_lengths, visits) -> block index``. The list holds
-    only positionally visible pairs; data-dependent lengths (``mask_q_len``/``mask_kv_len``)
-    still clamp ``j`` so that a step past them copies nothing.
+    Every map is ``(b, h, t, q_lengths, kv_lengths, visits) -> block index``, ``visits`` the
+    list's :func:`visit.planes`. The list holds only positionally visible pairs; data-dependent
+    lengths (``mask_q_len``/``mask_kv_len``) still clamp ``j`` so that a step past them copies
+    nothing.
     """
     G = cfg.group_size
     clamp = cfg.mask_q_len or cfg.mask_kv_len
 
     def ij(b, t, q_lengths, kv_lengths, visits):
-        i, j, _ = visit.unpack(visits[t])
+        i, j = visit.at(visits, t)
         if clamp:
             lo, hi = _kv_range(cfg, b, i, q_lengths, kv_lengths)
             j = blk.clamp_block(j, lo, hi, cfg.num_kv_blocks)
         return i, j
 
     def q_map(b, h, t, q_lengths, kv_lengths, visits):
-        return (b, h, visit.unpack(visits[t])[0], 0)
+        return (b, h, visits[t], 0)                     # the rows plane: i
 
     def kv_map(b, h, t, *pref):
         return (b, blk.div_nonneg(h, G), ij(b, t, *pref)[1], 0)
@@ -246,7 +275,7 @@ def visit_index_maps(cfg: ForwardConfig) -> IndexMaps:
         return scores_map
 
     def q_seg_map(b, h, t, q_lengths, kv_lengths, visits):
-        return (b, visit.unpack(visits[t])[0], 0)
+        return (b, visits[t], 0)
 
     def kv_seg_map(b, h, t, *pref):
         return (b, 0, ij(b, t, *pref)[1])
@@ -258,7 +287,7 @@ def forward_grid_spec(cfg: ForwardConfig) -> ForwardGridSpec:
     """Build the grid, BlockSpecs (with their index maps) and scratch of the forward kernel.
 
     The dense grid ``(B, H, T_r, T_c)``, or with ``cfg.visit_grid`` ``(B, H, n)`` over the
-    visit list (a third scalar-prefetch operand, ``visits [n]`` int32).
+    visit list (a third scalar-prefetch operand, ``visits [3n]`` int32: :func:`visit.planes`).
     """
     B, N = cfg.batch, cfg.num_heads
     bq, bk = cfg.block_q, cfg.block_k
