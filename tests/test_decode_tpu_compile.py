@@ -42,3 +42,12 @@ def test_official_paged_attention_compiles_on_the_same_shapes(chip):
         fn, args = case(batch=8, q_heads=32, kv_heads=4, pages_per_sequence=64)
         report = tpu_compile.compile(fn, *args, chip=chip)
         assert report.ok, f"{case.__name__} on {chip}:\n{report.error}"
+
+
+def test_decode_keeps_mosaics_dma_bounds_checks():
+    """Its page table is the caller's data, so unlike the forward and backward kernels (whose
+    index maps provably stay in range) the decode kernel keeps Mosaic's DMA checks."""
+    fn, args = decode_step_case(**next(iter(CASES.values())))
+    calls = tpu_compile.pallas_calls(fn, *args, chip="v5e")
+    assert calls and all(k["bounds_checks"] for k in calls if "decode" in k["name"])
+    assert any("decode" in k["name"] for k in calls)

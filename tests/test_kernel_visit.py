@@ -264,6 +264,20 @@ def test_every_index_map_stays_in_bounds_for_any_lengths(causal, window, visit_g
                         count = n if blk_ is None else n // blk_
                         assert 0 <= int(x) < count, (gs.grid, step, ql, kl, idx, shape)
     assert decode_grid.DecodeGridSpec.bounds_checks
-    with forward_grid.bounds_checked():
+    import unittest.mock
+    with unittest.mock.patch.object(forward_grid, "BOUNDS_CHECKS", True):   # the env switch
         assert not grids[0].compiler_params(False).disable_bounds_checks
     assert grids[0].compiler_params(False).disable_bounds_checks
+
+
+def test_bounds_checks_come_back_with_the_environment_switch():
+    """``FLASHLAB_BOUNDS_CHECKS=1`` (read at import) turns Mosaic's DMA checks back on."""
+    import os
+    import subprocess
+    import sys
+    code = ("from flashlab.kernels import forward_grid as f; import sys; "
+            "sys.exit(0 if f.BOUNDS_CHECKS else 3)")
+    env = dict(os.environ, FLASHLAB_BOUNDS_CHECKS="1", JAX_PLATFORMS="cpu")
+    assert subprocess.run([sys.executable, "-c", code], env=env, timeout=120).returncode == 0
+    env["FLASHLAB_BOUNDS_CHECKS"] = ""
+    assert subprocess.run([sys.executable, "-c", code], env=env, timeout=120).returncode == 3

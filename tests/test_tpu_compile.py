@@ -62,6 +62,8 @@ def test_kernels_take_blocks_and_vmem_limit_from_the_compile_target(chip):
     assert kernels[0]["grid"] == (1, 2, 4096 // fwd_q, 4096 // fwd_k)
     assert kernels[2]["grid"] == (1, 2, 4096 // bwd_q, 4096 // bwd_k)
     assert {k["vmem_limit_bytes"] for k in kernels} == {blk.vmem_limit_bytes(chip)}
+    # index maps that provably stay in range (tests/test_kernel_visit.py): no DMA checks
+    assert not any(k["bounds_checks"] for k in kernels)
     # twice the planning budget, at most 3/4 of VMEM, never below Mosaic's 16 MiB default
     assert blk.vmem_limit_bytes(chip) == max(
         min(blk.VMEM_BYTES[chip] * 3 // 4, 2 * blk.vmem_budget_bytes(chip)),

@@ -8,14 +8,14 @@ import textwrap
 from pathlib import Path
 
 from flashlab.benchmarks.tpu_static_changes import (  # noqa: F401
-    diagonal_cycles, diagonal_table, stored_before)
+    diagonal_cycles, diagonal_table, step_table, stored_before)
 from flashlab.kernels import tuned_blocks
 
 __all__ = ["LIBRARIES", "MATMULS", "ROLE_LABEL", "TARGETS", "update_rows", "best_blocks",
            "target_table", "header", "table", "training_step_table", "stored_backward_before",
            "backward_rows", "OTHERS", "BACKWARD_ROLES", "BACKWARD_VARIANTS",
            "fused_vs_split_table", "splash_dq_partial_bytes", "before_after_table",
-           "stored_before", "diagonal_cycles", "diagonal_table"]
+           "stored_before", "diagonal_cycles", "diagonal_table", "step_table"]
 
 #: Backward variants, measured for the backward only (their forward is their library's):
 #: ``splash_fused``, splash with ``use_fused_bwd_kernel``; ``flashlab_split``, flashlab with

@@ -307,8 +307,9 @@ def pallas_calls(fn: Callable, *args, chip: str = "v5e", **static_kwargs) -> lis
     """The Pallas kernels ``fn`` builds when traced for ``chip`` (no compile, no libtpu needed).
 
     One dict per ``pallas_call``, in trace order: ``name``, ``grid``, ``blocks`` (each
-    operand's block shape, ``None`` for a squeezed dim) and ``vmem_limit_bytes`` (what the
-    kernel asks Mosaic for; ``None``: Mosaic's default scoped limit). ``args``: arrays or
+    operand's block shape, ``None`` for a squeezed dim), ``vmem_limit_bytes`` (what the
+    kernel asks Mosaic for; ``None``: Mosaic's default scoped limit) and ``bounds_checks``
+    (whether Mosaic guards its DMAs at run time). ``args``: arrays or
     ShapeDtypeStructs; ``static_kwargs`` are bound to ``fn``.
     """
     _check_chip(chip)
@@ -327,11 +328,13 @@ def pallas_calls(fn: Callable, *args, chip: str = "v5e", **static_kwargs) -> lis
                 cp = cp.get("mosaic", cp) if isinstance(cp, dict) else cp
                 limit = cp.get("vmem_limit_bytes") if isinstance(cp, dict) else \
                     getattr(cp, "vmem_limit_bytes", None)
+                unchecked = cp.get("disable_bounds_checks") if isinstance(cp, dict) else \
+                    getattr(cp, "disable_bounds_checks", False)
                 gm = p["grid_mapping"]
                 name = p.get("name") or getattr(p.get("name_and_src_info"), "name", None)
                 found.append({"name": str(name), "grid": tuple(gm.grid),
                               "blocks": [_block_dims(bm) for bm in gm.block_mappings],
-                              "vmem_limit_bytes": limit})
+                              "vmem_limit_bytes": limit, "bounds_checks": not unchecked})
             for v in eqn.params.values():
                 for sub in _sub_jaxprs(v):
                     walk(sub)

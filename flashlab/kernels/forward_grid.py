@@ -9,9 +9,8 @@ the same objects to count HBM bytes.
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
+import os
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -26,7 +25,7 @@ from flashlab.compat.pallas import pl
 from flashlab.kernels.forward_config import (
     ForwardConfig)
 
-__all__ = ["ForwardGridSpec", "bounds_checked", "IndexMaps", "forward_grid_spec", "global_starts", "index_maps", "mask_operands", "offset_shift", "sinks_operand", "static_lengths", "visit_index_maps"]
+__all__ = ["ForwardGridSpec", "BOUNDS_CHECKS", "IndexMaps", "forward_grid_spec", "global_starts", "index_maps", "mask_operands", "offset_shift", "sinks_operand", "static_lengths", "visit_index_maps"]
 
 # ----------------------------------------------------------------------------- grid as data
 
@@ -59,7 +58,7 @@ class ForwardGridSpec:
     # These index maps cannot leave the arrays: visit lists are built from static shapes, and
     # every run-time length goes through ``blocks.clamp_block``, whose result is in
     # ``[0, num_blocks)`` for any lengths (tests/test_kernel_visit.py replays them). So the
-    # check is off here (on inside :func:`bounds_checked`): v5e, 512², causal T=8192, the
+    # check is off here (on with :data:`BOUNDS_CHECKS`): v5e, 512², causal T=8192, the
     # forward's step fell from 266 to 199 cycles and the fused backward's from 430 to 310.
     # The decode kernel keeps it: its page table is the caller's data.
     bounds_checks: bool = False
@@ -104,7 +103,7 @@ class ForwardGridSpec:
         kw = {}
         if interpret is False:
             kw["vmem_limit_bytes"] = blk.vmem_limit_bytes(getattr(self.config, "chip", None))
-            kw["disable_bounds_checks"] = not (self.bounds_checks or _BOUNDS_CHECKED.get())
+            kw["disable_bounds_checks"] = not (self.bounds_checks or BOUNDS_CHECKS)
         return compat.CompilerParams(dimension_semantics=self.dimension_semantics, **kw)
 
     def spec(self, name: str):
@@ -117,19 +116,12 @@ class ForwardGridSpec:
         return (self.in_shapes + self.out_shapes)[names.index(name)]
 
 
-_BOUNDS_CHECKED = contextvars.ContextVar("flashlab_bounds_checked", default=False)
-
-
-@contextlib.contextmanager
-def bounds_checked():
-    """Kernels traced inside compile with Mosaic's DMA bounds checks on (a debugging aid when
-    an index map changes: an out-of-range copy then halts with an error instead of reading
-    another array's bytes; each copy pays its check on the grid step's scalar path)."""
-    token = _BOUNDS_CHECKED.set(True)
-    try:
-        yield
-    finally:
-        _BOUNDS_CHECKED.reset(token)
+#: Compile every forward and backward kernel with Mosaic's DMA bounds checks on: a debugging
+#: aid when an index map changes (an out-of-range copy then halts with an error instead of
+#: moving another array's bytes), at the price of a check per copy on the grid step's scalar
+#: path. Read once, at import, from ``FLASHLAB_BOUNDS_CHECKS=1``, so a traced kernel never
+#: disagrees with a cached one.
+BOUNDS_CHECKS = os.environ.get("FLASHLAB_BOUNDS_CHECKS", "") == "1"
 
 
 class _Const:
