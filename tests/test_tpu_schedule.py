@@ -225,15 +225,16 @@ def test_live_unknown_chip():
 
 
 def test_bench_records_flashlab_vmem_refusal_as_a_row():
-    """Blocks flashlab's own VMEM check refuses (2048 x 1024 on v4: 17 MiB estimated against
+    """Blocks flashlab's own VMEM check refuses (for its default backward and its split one) (2048 x 1024 on v4: 17 MiB estimated against
     its 16 MiB limit) are a row with the check's message, as a compile the compiler rejects
     is, not a crash of the whole run (nothing is compiled: the check runs before the dump
     child)."""
     from flashlab.benchmarks import tpu_static as bts
-    rows, _ = bts.measure(chips=["v4"], libraries=["flashlab"], modes=(), sweep=[(2048, 1024)],
-                          kernels=("dq", "dkdv"), progress=False)
-    assert [(r["kernel"], r["block_q"], r["block_k"]) for r in rows] == \
-        [("dq", 2048, 1024), ("dkdv", 2048, 1024)], rows
+    rows, _ = bts.measure(chips=["v4"], libraries=["flashlab", "flashlab_split"], modes=(),
+                          sweep=[(2048, 1024)], kernels=("dq", "dkdv"), progress=False)
+    assert [(r["library"], r["kernel"], r["block_q"], r["block_k"]) for r in rows] == \
+        [(lib, k, 2048, 1024) for lib in ("flashlab", "flashlab_split")
+         for k in ("dq", "dkdv")], rows
     assert all(r["error"].startswith("block_q, block_k: (2048, 1024) need about") for r in rows)
 
 
