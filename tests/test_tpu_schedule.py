@@ -361,4 +361,5 @@ def test_step_table_sets_the_grid_step_before_against_after():
     lines = rep.step_table(before, after).splitlines()[2:]
     assert [ln.split()[:2] for ln in lines] == [["v5e", "forward"], ["v5e", "fused"],
                                                 ["v6e", "forward"]]
-    assert lines[0].split()[4:] == ["266", "176", "4.78", f"{4.78 * 0.9:.2f}", "0.900"]
+    assert lines[0].split()[2:4] == ["T=8192", "d=128"]
+    assert lines[0].split()[6:] == ["266", "176", "4.78", f"{4.78 * 0.9:.2f}", "0.900"]

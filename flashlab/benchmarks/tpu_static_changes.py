@@ -65,9 +65,9 @@ def diagonal_table(stages) -> str:
 
 
 def step_table(before, after, *, kernels=("forward", "fused"), blocks=("equal", "default")) -> str:
-    """Per chip, kernel and block pair measured in both runs (flashlab's rows of ``blocks``
-    at one shape): the grid step's cycles and the whole-kernel estimate (ms) before and after,
-    and their ratio. ``before``/``after``: bench rows."""
+    """Per chip, kernel, shape and block pair measured in both runs (flashlab's rows of
+    ``blocks``): the grid step's cycles and the whole-kernel estimate (ms) before and after,
+    and their ratio (``nc``: non-causal). ``before``/``after``: bench rows."""
     def key(r):
         return (r["chip"], r["kernel"], r["blocks"], r["block_q"], r["block_k"], r.get("seq_len"),
                 r.get("head_dim"), r.get("causal"))
@@ -78,13 +78,15 @@ def step_table(before, after, *, kernels=("forward", "fused"), blocks=("equal", 
                 and r.get("est_ms") is not None}
     b, a = pick(before), pick(after)
     order = {c: n for n, c in enumerate(("v4", "v5e", "v5p", "v6e", "7x"))}
-    out = [f"{'chip':4} {'kernel':7} {'blocks':7} {'bq x bk':>9}  {'step before':>11} "
-           f"{'after':>5}  {'est ms before':>13} {'after':>7} {'ratio':>6}"]
+    out = [f"{'chip':4} {'kernel':7} {'shape':18} {'blocks':7} {'bq x bk':>9}  "
+           f"{'step before':>11} {'after':>5}  {'est ms before':>13} {'after':>7} {'ratio':>6}"]
     out.append("-" * len(out[0]))
     for k in sorted(set(a) & set(b), key=lambda k: (order.get(k[0], 9), kernels.index(k[1]),
+                                                    k[5] or 0, -(k[6] or 0), not k[7],
                                                     blocks.index(k[2]))):
         rb, ra = b[k], a[k]
-        out.append(f"{k[0]:4} {k[1]:7} {k[2]:7} {k[3]:>4}x{k[4]:<4}  {rb['step_cycles']:>11} "
-                   f"{ra['step_cycles']:>5}  {rb['est_ms']:>13.2f} {ra['est_ms']:>7.2f} "
-                   f"{ra['est_ms'] / rb['est_ms']:>6.3f}")
+        shape = f"T={k[5]} d={k[6]}{'' if k[7] else ' nc'}"
+        out.append(f"{k[0]:4} {k[1]:7} {shape:18} {k[2]:7} {k[3]:>4}x{k[4]:<4}  "
+                   f"{rb['step_cycles']:>11} {ra['step_cycles']:>5}  {rb['est_ms']:>13.2f} "
+                   f"{ra['est_ms']:>7.2f} {ra['est_ms'] / rb['est_ms']:>6.3f}")
     return "\n".join(out)
