@@ -48,6 +48,9 @@ def test_forward_optimisation_rows_are_measured_and_tabulated():
                                                  and r["commit"] for r in rows)
     assert rows[1]["tile_cycles"] < rows[0]["tile_cycles"]
     assert rows[2]["est_cycles"] < rows[1]["est_cycles"]
+    # the grid step's two changes: bounds checks off, then the visit list read as planes
+    assert rows[2]["step_cycles"] > rows[3]["step_cycles"] > rows[4]["step_cycles"]
+    assert rows[3]["tile_cycles"] == rows[4]["tile_cycles"] == rows[2]["tile_cycles"]
     text = viz.optimisation_table(rows)
     assert str(rows[0]["tile_cycles"]) in text and "VALU" in text
 
