@@ -281,3 +281,18 @@ def test_bounds_checks_come_back_with_the_environment_switch():
     assert subprocess.run([sys.executable, "-c", code], env=env, timeout=120).returncode == 0
     env["FLASHLAB_BOUNDS_CHECKS"] = ""
     assert subprocess.run([sys.executable, "-c", code], env=env, timeout=120).returncode == 3
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_planes_hold_the_packed_list(transposed):
+    """The kernels' operand (rows | columns | flags) reads back every visit of the packed list."""
+    kw = dict(num_q_blocks=4, num_kv_blocks=6, q_len=500, kv_len=700, block_q=128,
+              block_k=128, is_causal=True, transposed=transposed)
+    packed = visit.visit_table(**kw)
+    p = visit.planes(packed)
+    assert p.dtype == np.int32 and p.shape == (3 * len(packed),)
+    for t, v in enumerate(packed.tolist()):
+        r, c, f = visit.unpack(v)
+        assert visit.at(p, t) == (r, c)
+        assert visit.step_at(p, t) == (r, c, bool(f & visit.FIRST), bool(f & visit.LAST),
+                                       not f & visit.EMPTY)

@@ -38,8 +38,8 @@ import numpy as np
 
 from flashlab.kernels import blocks as blk
 
-__all__ = ["FIRST", "LAST", "EMPTY", "MAX_VISITS", "visit_table", "unpack", "step", "planes", "at",
-           "step_at", "copied_blocks"]
+__all__ = ["FIRST", "LAST", "EMPTY", "MAX_VISITS", "visit_table", "unpack", "planes", "at", "step_at",
+           "copied_blocks"]
 
 FIRST, LAST, EMPTY = 1, 2, 4
 _J_BITS, _I_SHIFT = 13, 16
@@ -100,14 +100,6 @@ def unpack(v):
     return v >> _I_SHIFT, (v >> 3) & ((1 << _J_BITS) - 1), v & 7
 
 
-def step(v):
-    """``(row, column, first, last, listed)`` of a packed visit, as a kernel step reads it:
-    ``first``/``last`` open and close the row (init, finalize), ``listed`` is False only for
-    an EMPTY placeholder (nothing to compute)."""
-    r, c, f = unpack(v)
-    return r, c, (f & FIRST) != 0, (f & LAST) != 0, (f & EMPTY) == 0
-
-
 def planes(table) -> np.ndarray:
     """The kernel operand of a packed visit list ``[n]``: ``int32 [3n]``, its rows, then its
     columns, then its flags (:func:`at` and :func:`step_at` read it)."""
@@ -125,8 +117,9 @@ def at(ref, t):
 
 
 def step_at(ref, t):
-    """:func:`step` of visit ``t``, read from a :func:`planes` ``ref``: ``(row, column, first,
-    last, listed)``."""
+    """Visit ``t`` as a kernel step reads it from a :func:`planes` ``ref``: ``(row, column,
+    first, last, listed)``; ``first``/``last`` open and close the row (init, finalize),
+    ``listed`` is False only for an EMPTY placeholder (nothing to compute)."""
     n = ref.shape[0] // 3
     f = ref[2 * n + t]
     return ref[t], ref[n + t], (f & FIRST) != 0, (f & LAST) != 0, (f & EMPTY) == 0
