@@ -250,17 +250,17 @@ def test_every_index_map_stays_in_bounds_for_any_lengths(causal, window, visit_g
     for gs in grids:
         assert not gs.bounds_checks and gs.compiler_params(False).disable_bounds_checks
         assert not gs.compiler_params(True).disable_bounds_checks     # interpret: no kwargs
-        pre = [np.asarray(x) for x in (gs.visits() if hasattr(gs, "visits") else
-                                       ([jnp.asarray(visit.planes(cfg.visits()))]
-                                        if cfg.visit_grid else []))]
+        if isinstance(gs, backward_grid.BackwardGridSpec):   # the visit planes, if any
+            pre = [np.asarray(x) for x in gs.visits()]
+        else:
+            pre = [visit.planes(cfg.visits())] if cfg.visit_grid else []
         for ql, kl in lengths:
             ql, kl = np.array([ql], np.int64), np.array([kl], np.int64)
             for step in itertools.product(*map(range, gs.grid)):
                 for spec_, shape in zip(gs.in_specs + gs.out_specs,
                                         gs.in_shapes + gs.out_shapes):
                     idx = spec_.index_map(*step, ql, kl, *pre)
-                    dims = [d for d in spec_.block_shape]
-                    for x, n, blk_ in zip(idx, shape.shape, dims):
+                    for x, n, blk_ in zip(idx, shape.shape, spec_.block_shape):
                         count = n if blk_ is None else n // blk_
                         assert 0 <= int(x) < count, (gs.grid, step, ql, kl, idx, shape)
     assert decode_grid.DecodeGridSpec.bounds_checks
