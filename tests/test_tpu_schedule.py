@@ -345,21 +345,24 @@ def test_diagonal_table_prices_the_diagonal_tile_at_each_stage():
     assert line[2:5] == ["10443", str(14 + 3 * 2764), "6425"]
     assert line[6:9] == ["8.42", "8.07", "7.74"] and line[-1] == f"{7.74 / 8.69:.2f}"
 
-def test_step_table_sets_the_grid_step_before_against_after():
-    """Only flashlab's rows of the kernels and blocks asked, matched by chip, kernel, blocks,
-    block pair and shape; chips in generation order; the ratio is after / before."""
+
+def test_before_after_table_sets_a_fused_backward_against_splashs_fused_one():
+    """The grid-step change (chapter 05): forward and fused rows before and after; the fused
+    kernel's ratio is to splash's fused backward (``splash_fused``), the forward's to the
+    better official forward."""
     from flashlab.benchmarks import tpu_static_report as rep
-    base = dict(library="flashlab", blocks="equal", block_q=512, block_k=512, seq_len=8192,
-                head_dim=128, causal=True)
-    before = [dict(base, chip=c, kernel=k, step_cycles=s, est_ms=e)
-              for c, k, s, e in [("v6e", "forward", 295, 1.64), ("v5e", "fused", 430, 9.18),
-                                 ("v5e", "forward", 266, 4.78)]]
-    after = [dict(r, step_cycles=r["step_cycles"] - 90, est_ms=r["est_ms"] * 0.9) for r in before]
-    after += [dict(base, chip="v5e", kernel="forward", library="splash", step_cycles=1,
-                   est_ms=1.0),
-              dict(base, chip="v4", kernel="forward", step_cycles=1, est_ms=1.0)]  # no before
-    lines = rep.step_table(before, after).splitlines()[2:]
-    assert [ln.split()[:2] for ln in lines] == [["v5e", "forward"], ["v5e", "fused"],
-                                                ["v6e", "forward"]]
-    assert lines[0].split()[2:4] == ["T=8192", "d=128"]
-    assert lines[0].split()[6:] == ["266", "176", "4.78", f"{4.78 * 0.9:.2f}", "0.900"]
+    base = dict(library="flashlab", blocks="equal", block_q=512, block_k=512)
+    before = [dict(base, chip="v5e", kernel=k, tile_cycles=t, step_cycles=s, est_cycles=c,
+                   est_ms=c / 1e6) for k, t, s, c in [("forward", 1328, 266, 7190),
+                                                      ("fused", 2764, 430, 13800)]]
+    after = [dict(r, step_cycles=r["step_cycles"] - 90, est_cycles=r["est_cycles"] - 400,
+                  est_ms=(r["est_cycles"] - 400) / 1e6) for r in before]
+    after += [dict(base, chip="v5e", kernel=k, library=lib, tile_cycles=1, step_cycles=1,
+                   est_cycles=c, est_ms=c / 1e6)
+              for k, lib, c in [("forward", "jax_pallas_flash", 7550),
+                                ("fused", "splash_fused", 14940)]]
+    lines = rep.before_after_table(before, after, kernels=("forward", "fused")).splitlines()
+    assert lines[1].split() == ["v5e", "forward", "1328", ">", "1328", "266", ">", "176",
+                                "0.01", ">", "0.01", f"{6790 / 7550:.2f}"]
+    assert lines[2].split()[:2] == ["v5e", "fused"] and lines[2].split()[-1] == \
+        f"{13400 / 14940:.2f}"

@@ -8,14 +8,14 @@ import textwrap
 from pathlib import Path
 
 from flashlab.benchmarks.tpu_static_changes import (  # noqa: F401
-    diagonal_cycles, diagonal_table, step_table, stored_before)
+    diagonal_cycles, diagonal_table, stored_before)
 from flashlab.kernels import tuned_blocks
 
 __all__ = ["LIBRARIES", "MATMULS", "ROLE_LABEL", "TARGETS", "update_rows", "best_blocks",
            "target_table", "header", "table", "training_step_table", "stored_backward_before",
            "backward_rows", "OTHERS", "BACKWARD_ROLES", "BACKWARD_VARIANTS",
            "fused_vs_split_table", "splash_dq_partial_bytes", "before_after_table",
-           "stored_before", "diagonal_cycles", "diagonal_table", "step_table"]
+           "stored_before", "diagonal_cycles", "diagonal_table"]
 
 #: Backward variants, measured for the backward only (their forward is their library's):
 #: ``splash_fused``, splash with ``use_fused_bwd_kernel``; ``flashlab_split``, flashlab with
@@ -330,7 +330,8 @@ def before_after_table(before_rows, after_rows, *, kernels=("dq", "dkdv"),
     """flashlab's kernels before and after, per chip, at equal blocks (``blocks="equal"``) or
     at its fastest measured blocks (``"best"``): tile and per-step cycles, whole-kernel
     estimate, and the ratio to the better of splash and jax's kernel after (same blocks
-    rule). Rows of one shape: filter ``before_rows``/``after_rows`` by :func:`shape_of`.
+    rule; a fused backward against splash's fused one too). Rows of one shape: filter
+    ``before_rows``/``after_rows`` by :func:`shape_of`.
     ``after_library``: the after rows' library (``"flashlab_split"``: the split backward's
     kernels, now that flashlab's default backward is fused where it fits)."""
     after_rows = [dict(r, library="flashlab") if r.get("library") == after_library else r
@@ -348,7 +349,8 @@ def before_after_table(before_rows, after_rows, *, kernels=("dq", "dkdv"),
             b, a = eq(before_rows, "flashlab", chip, kernel), eq(after_rows, "flashlab", chip, kernel)
             if b is None or a is None:
                 continue
-            others = [o for lib in OTHERS
+            others = [o for lib in OTHERS + tuple(v for v, of in BACKWARD_VARIANTS.items()
+                                                  if of in OTHERS)
                       if (o := eq(after_rows, lib, chip, kernel)) is not None]
             ratio = (f"{a['est_cycles'] / min(o['est_cycles'] for o in others):.2f}"
                      if others else "-")

@@ -66,11 +66,8 @@ class BackwardGridSpec(forward_grid.ForwardGridSpec):
         grid, else ``[]``."""
         if self.visit_rows is None:
             return []
-        return [jnp.asarray(visit.planes(self.visit_list()))]
-
-    def visit_list(self):
-        """The packed visit list ``int32 [n]`` this grid runs over (:func:`visit.visit_table`)."""
-        return self.config.visits(transposed=self.visit_rows == "kv", q_chunks=self.q_chunks)
+        return [jnp.asarray(visit.planes(self.config.visits(
+            transposed=self.visit_rows == "kv", q_chunks=self.q_chunks)))]
 
 
 def prefetch_names(cfg: ForwardConfig, visits: bool = False) -> tuple[str, ...]:
