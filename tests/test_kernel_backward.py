@@ -256,8 +256,9 @@ def test_diagonal_strips_cut_the_staircase():
     with pytest.raises(ValueError, match=r"d: expected one of the crossing offsets \[0\]"):
         diagonal.picture(cfg, 512)
     cfg = make_backward_config(spec, block_q=1024, block_k=2048, chip="v6e", fused=True)
-    strips = tuple(Piece(a, a + 256, a - 1024 * (a >= 1024), True) for a in range(0, 2048, 256))
-    assert diagonal.cases(cfg) == ((-1024, (Piece(0, 1024, 0, False), *strips[4:])),
+    strips = tuple(Piece(a, a + 256, a - 1024 * (a >= 1024), 1024, True)
+                   for a in range(0, 2048, 256))
+    assert diagonal.cases(cfg) == ((-1024, (Piece(0, 1024, 0, 1024, False), *strips[4:])),
                                    (0, strips[:4]))
     assert diagonal.visits(cfg) == (1, 1)
     assert diagonal.picture(cfg, -1024).splitlines()[9] == "x\\######"   # a 256-row strip

@@ -155,12 +155,14 @@ def test_live_compile_bench_rows():
 
 
 @needs_libtpu
-def test_live_compile_reads_the_partial_path():
+def test_live_compile_reads_the_partial_path(monkeypatch):
     """The forward in row chunks at B_r > B_c (v6e, 2048 x 1024, causal, T=4096: 2 chunks of
-    1024 rows) has two tile paths. The reader takes the straight-line one as the tile and the
+    1024 rows), crossed tiles whole (``FLASHLAB_FORWARD_STRIPS=0``, which the compiling child
+    inherits), has two tile paths. The reader takes the straight-line one as the tile and the
     other as the partial path: a little control around chunks of their own; the estimate runs
     the 2 partial tiles per head (a q block's second diagonal tile) as one chunk each."""
     from flashlab.benchmarks import tpu_static as bts
+    monkeypatch.setenv("FLASHLAB_FORWARD_STRIPS", "0")
     rows, _ = bts.measure(chips=["v6e"], libraries=["flashlab"], modes=[],
                           sweep=[(2048, 1024)], kernels=["forward"], batch=1, seq_len=4096,
                           heads=2, progress=False)
@@ -171,6 +173,21 @@ def test_live_compile_reads_the_partial_path():
     full = r["est_cycles"] + r["partial_tiles"] * (
         r["tile_cycles"] - r["partial_overhead_cycles"] - r["chunk_cycles"])
     assert r["est_cycles"] < full        # cheaper than running every chunk of those tiles
+
+
+@needs_libtpu
+def test_live_compile_reads_the_forward_strips():
+    """The forward at 2048 x 1024 (v6e, causal, T=4096) runs a crossed tile as the query
+    strips of its offset d = 0 or d = 1024 (kernels/diagonal.py): two straight-line case
+    regions beside the whole tile (2 chunks), each cheaper than it, 2 tiles per head each."""
+    from flashlab.benchmarks import tpu_static as bts
+    rows, _ = bts.measure(chips=["v6e"], libraries=["flashlab"], modes=[],
+                          sweep=[(2048, 1024)], kernels=["forward"], batch=1, seq_len=4096,
+                          heads=2, progress=False)
+    (r,) = rows
+    assert r["case_tiles"] == [2 * 2, 2 * 2] and r["partial_chunks"] == 0
+    d_zero, d_diag = r["case_cycles"]      # d = 1024: half the rows see nothing
+    assert 0 < d_diag < d_zero < r["tile_cycles"]
 
 
 @needs_libtpu

@@ -92,8 +92,9 @@ def _row(k: tpu_dump.KernelDump, blocks, *, chip, library, mode, batch, seq_len,
          head_dim, causal, timeline, chunk_visits=(0, 0), dq_chunks=1, cases=()) -> dict:
     """One bench row from a kernel's schedule. ``chunk_visits``: the partial tiles and the
     chunks they run, per (batch, head): the forward's row chunks
-    (:meth:`ForwardConfig.chunk_visits`); ``cases``: per case of the fused backward's
-    diagonal strips, its tiles per (batch, head) (:func:`diagonal.visits`);
+    (:meth:`ForwardConfig.chunk_visits`); ``cases``: per case of the diagonal strips (the
+    forward's query strips or the fused backward's kv strips), its tiles per (batch, head)
+    (:func:`diagonal.forward_visits`, :func:`diagonal.visits`);
     ``dq_chunks``: the fused backward's query chunks (:func:`backward_config.dq_chunks`)."""
     from flashlab.benchmarks.backends import attention_flops
     from flashlab.instruments import tpu_schedule
@@ -215,8 +216,7 @@ def measure(*, chips, libraries=LIBRARIES, modes=("default", "equal"), block=512
                                      causal=causal, timeline=(c == timeline_chip and m == "equal"),
                                      chunk_visits=per_head, **shape,
                                      dq_chunks=d.info["blocks"].get("dq_chunks") or 1,
-                                     cases=d.info["blocks"].get("fused_cases", ())
-                                     if role == "fused" else ()))
+                                     cases=d.info["blocks"].get(f"{role}_cases", ())))
     if bar is not None:
         bar.close()
     for r in rows:                                   # ratio to splash, same chip/kernel/mode

@@ -33,6 +33,7 @@ def _flashlab(chip, backward, causal, block, shape, dtype, which="auto"):
         f = forward_config.make_config(spec, block_q=bq, block_k=bk, chip=chip)
         got["fwd"] = (f.block_q, f.block_k)
         got["chunk_visits"] = f.chunk_visits()
+        got["forward_cases"] = diagonal.forward_visits(f)
         c, got["fused"] = backward_grid.resolve_backward(spec, which, block_q=bq, block_k=bk,
                                                          chip=chip)
         got["bwd"] = [c.block_q, c.block_k]
@@ -46,7 +47,7 @@ def _flashlab(chip, backward, causal, block, shape, dtype, which="auto"):
                                      interpret=False, chip=chip, backward=which)
     info = {"forward": list(fb), "dq": got["bwd"], "dkdv": got["bwd"],
             "fused": bool(got["fused"]), "dq_chunks": int(got["fused"]),
-            "fused_cases": list(got["cases"]),
+            "fused_cases": list(got["cases"]), "forward_cases": list(got["forward_cases"]),
             "chunk_visits": list(got["chunk_visits"])}
     return f, (x, x, x), info
 

@@ -62,8 +62,8 @@ from flashlab.kernels import forward as fwd
 from flashlab.kernels import forward_grid
 from flashlab.kernels import visit
 from flashlab.compat.pallas import pl
-from flashlab.kernels.backward_tile import Window, tile as _tile
-from flashlab.kernels.refs import RefNames, name_refs
+from flashlab.kernels.backward_tile import tile as _tile
+from flashlab.kernels.refs import RefNames, Window, name_refs
 from flashlab.kernels.backward_grid import (
     BackwardGridSpec, _dbias_order, _full_bias, dbias_config, _q_range, dbias_grid_spec, dkdv_grid_spec, dq_grid_spec, resolve_backward, cost_estimate, chunk_of_block, D_ROW, LOG2E, LSE_ROW, ForwardConfig)
 
@@ -166,13 +166,13 @@ def _dkdv_tile(ins, cfg: ForwardConfig, starts, dq_row, g, piece=None):
     """One dK/dV step's tile: ``dV_j += P_ijᵀ dO_i``, ``dK_j += dS'_ijᵀ Q_i`` into the
     accumulators, and with ``dq_row`` (the fused kernel: q block i's first row in its dQ
     block) ``dQ_i += dS'_ij K_j`` into head ``g``'s rows. ``piece``
-    (:class:`diagonal.Piece`): only kv rows ``[k_lo, k_hi)`` by queries ``[q_lo, B_r)`` of
-    it, ``[k_hi − k_lo, B_r − q_lo]``, masked only where ``piece.masked``."""
+    (:class:`diagonal.Piece`): only kv rows ``[k_lo, k_hi)`` by queries ``[q_lo, q_hi)`` of
+    it, ``[k_hi − k_lo, q_hi − q_lo]``, masked only where ``piece.masked``."""
     dk_acc, dv_acc = ins["dk_acc"], ins["dv_acc"]
     acc, view, tcfg, k0, q0 = (...), ins, cfg, 0, 0
     if piece is not None:               # the piece's rows of K, V and of Q, dO, stats_t
         k0, q0 = piece.k_lo, piece.q_lo
-        nk, nq = piece.k_hi - k0, cfg.block_q - q0
+        nk, nq = piece.k_hi - k0, piece.q_hi - q0
         acc, qs = (pl.ds(k0, nk), slice(None)), pl.ds(q0, nq)
         view = dict(ins, q=Window(ins["q"], qs), do=Window(ins["do"], qs),
                     k=Window(ins["k"], acc[0]), v=Window(ins["v"], acc[0]),

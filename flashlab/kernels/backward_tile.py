@@ -1,7 +1,7 @@
 """One tile of the backward, recomputed (chapter 07): :func:`tile` gives ``(P, dS, dS')``
 of a ``[B_r, B_c]`` tile (the dQ and dBias kernels) or of its transpose ``[B_c, B_r]`` (the
-dK/dV and fused kernels, :mod:`flashlab.kernels.backward`); :class:`Window` lets it read a
-piece's slice of each block as if it were the whole block.
+dK/dV and fused kernels, :mod:`flashlab.kernels.backward`). A diagonal piece reads its slice
+of each block through :class:`flashlab.kernels.refs.Window` as if it were the whole block.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from flashlab.kernels import blocks as blk
 from flashlab.kernels import forward as fwd
 from flashlab.kernels.backward_grid import D_ROW, LOG2E, LSE_ROW, ForwardConfig
 
-__all__ = ["tile", "Window"]
+__all__ = ["tile"]
 
 
 def tile(ins, cfg: ForwardConfig, q_start, k_start, q_len, kv_len, *, transposed=False,
@@ -63,16 +63,3 @@ def tile(ins, cfg: ForwardConfig, q_start, k_start, q_len, kv_len, *, transposed
                              preferred_element_type=jnp.float32)
     ds = p * (dp - di)
     return p, ds, (ds if t is None else ds * (1.0 - t * t))
-
-
-class Window:
-    """``ref[rows, cols]`` read as ``view[...]`` (``view[r, :]``: rows ``r`` of the window's
-    columns): a piece's slice of a block (:class:`diagonal.Piece`), seen by :func:`tile` as the whole block."""
-
-    def __init__(self, ref, rows=slice(None), cols=slice(None)):
-        self.ref, self.rows, self.cols = ref, rows, cols
-
-    def __getitem__(self, index):
-        if index is Ellipsis:
-            return self.ref[self.rows, self.cols]
-        return self.ref[index[0], self.cols]

@@ -18,17 +18,26 @@ dV (two accumulators) are each read and written once per tile, and only dQ once 
 
 :func:`visits` counts, per case, the tiles that take it: the static schedule's estimate
 (``bench tpu-static``) prices each case by its own region.
+
+The forward (chapter 05) cuts its crossed tiles the other way, along the **query** axis
+(:func:`forward_cases`): its tile is ``S [B_r, B_c]`` and its running state ``(m, l, acc)``
+is per query row, so a strip of query rows ``[a, a + h)`` is an independent chain that sees
+kv columns ``[0, a + h − d)`` only: ``S = Q[a : a + h] K[0 : a + h − d]ᵀ`` and
+``P V[0 : a + h − d]``, the same staircase from the other side.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 from flashlab.contract import masks
 from flashlab.kernels.forward_config import ForwardConfig
 
-__all__ = ["Piece", "STRIP_ROWS", "MIN_BLOCK_K", "MIN_BLOCK_Q", "applies", "strip_rows",
-           "cases", "crossing", "visits", "picture"]
+__all__ = ["Piece", "STRIP_ROWS", "MIN_BLOCK_K", "MIN_BLOCK_Q", "FORWARD_STRIP_ROWS",
+           "FORWARD_MIN_BLOCK", "FORWARD_STRIPS",
+           "applies", "strip_rows", "cases", "crossing", "visits", "picture",
+           "forward_strip_rows", "forward_applies", "forward_cases", "forward_visits"]
 
 #: Kv rows per strip, per chip: the MXU's width (128 on v4/v5e/v5p, 256 on v6e/7x), the
 #: narrowest strip whose matmuls still fill it. On the static schedule (B=2 T=8192 H=16
@@ -43,11 +52,12 @@ MIN_BLOCK_K, MIN_BLOCK_Q = 512, 512
 
 @dataclasses.dataclass(frozen=True)
 class Piece:
-    """Kv rows ``[k_lo, k_hi)`` by query columns ``[q_lo, B_r)`` of a tile (tile-local);
+    """Kv positions ``[k_lo, k_hi)`` by queries ``[q_lo, q_hi)`` of a tile (tile-local);
     ``masked``: some score in it is hidden (it builds the mask), else every one is seen."""
     k_lo: int
     k_hi: int
     q_lo: int
+    q_hi: int
     masked: bool
 
 
@@ -56,13 +66,17 @@ def strip_rows(cfg: ForwardConfig) -> int:
     return STRIP_ROWS.get(cfg.chip, 128)
 
 
-def applies(cfg: ForwardConfig) -> bool:
-    """Whether the fused backward cuts diagonal tiles into strips: causal, no window, offsets,
-    bias, mask or segment ids (the pieces are cut from positions alone), blocks of at least
-    :data:`MIN_BLOCK_K` x :data:`MIN_BLOCK_Q` and at least two strips."""
+def _positional(cfg: ForwardConfig) -> bool:
+    """Causal, and nothing else hides a score by position or data (no window, offsets, bias,
+    mask or segment ids): the pieces are cut from positions alone."""
     return (cfg.is_causal and cfg.window is None and not cfg.has_offsets
-            and cfg.bias_bcast is None and cfg.mask_bcast is None and not cfg.has_segments
-            and cfg.block_k >= MIN_BLOCK_K and cfg.block_q >= MIN_BLOCK_Q
+            and cfg.bias_bcast is None and cfg.mask_bcast is None and not cfg.has_segments)
+
+
+def applies(cfg: ForwardConfig) -> bool:
+    """Whether the fused backward cuts diagonal tiles into strips: :func:`_positional`, blocks
+    of at least :data:`MIN_BLOCK_K` x :data:`MIN_BLOCK_Q` and at least two strips."""
+    return (_positional(cfg) and cfg.block_k >= MIN_BLOCK_K and cfg.block_q >= MIN_BLOCK_Q
             and cfg.block_k % strip_rows(cfg) == 0 and cfg.block_k >= 2 * strip_rows(cfg))
 
 
@@ -83,7 +97,7 @@ def _pieces(cfg: ForwardConfig, d: int) -> tuple[Piece, ...]:
         if out and not masked and not out[-1].masked and out[-1].q_lo == q_lo == 0:
             out[-1] = dataclasses.replace(out[-1], k_hi=a + w)    # merge the unmasked strips
         else:
-            out.append(Piece(a, a + w, q_lo, masked))
+            out.append(Piece(a, a + w, q_lo, bq, masked))
     return tuple(out)
 
 
@@ -115,20 +129,79 @@ def visits(cfg: ForwardConfig) -> tuple[int, ...]:
     return tuple(_crossed(cfg).values()) if applies(cfg) else ()
 
 
-def picture(cfg: ForwardConfig, d: int, cell: int = 128) -> str:
+def picture(cfg: ForwardConfig, d: int, cell: int = 128, *, forward: bool = False) -> str:
     """The tile at offset ``d`` as text, one character per ``cell x cell`` scores, kv rows
-    down and queries across (``Sᵀ``): ``#`` computed, every score seen; ``\\`` computed, the
-    diagonal crosses it; ``x`` computed, every score hidden; ``.`` not computed (hidden)."""
-    pieces = dict(cases(cfg)).get(d)
+    down and queries across (``Sᵀ``, both kernels drawn the same way): ``#`` computed, every
+    score seen; ``\\`` computed, the diagonal crosses it; ``x`` computed, every score hidden;
+    ``.`` not computed (hidden). ``forward``: the forward's pieces (:func:`forward_cases`),
+    else the fused backward's (:func:`cases`)."""
+    known = forward_cases(cfg) if forward else cases(cfg)
+    pieces = dict(known).get(d)
     if pieces is None:
-        raise ValueError(f"d: expected one of the crossing offsets {[c for c, _ in cases(cfg)]}"
+        raise ValueError(f"d: expected one of the crossing offsets {[c for c, _ in known]}"
                          f" of this config, got {d!r}")
     lines = []
     for r in range(0, cfg.block_k, cell):
         row = ""
         for c in range(0, cfg.block_q, cell):
-            done = any(p.k_lo <= r < p.k_hi and p.q_lo <= c for p in pieces)
+            done = any(p.k_lo <= r < p.k_hi and p.q_lo <= c < p.q_hi for p in pieces)
             seen_all, seen_any = c >= r + cell - 1 + d, c + cell - 1 >= r + d
             row += ("." if not done else "#" if seen_all else "\\" if seen_any else "x")
         lines.append(row)
     return "\n".join(lines)
+
+
+#: Query rows per strip of the forward's crossed tile, per chip (:func:`forward_cases`). Tall
+#: strips: the MXU holds a block of keys and streams the strip's query rows past it, so a
+#: strip of few rows pays the keys' load for little work. Measured with ``bench tpu-static``
+#: (jax 0.12.0.1 / libtpu 0.0.50.1, B=2 H=16 d=128 bf16 causal; cycles of a crossed 1024²
+#: tile, whole / 128 / 256 / 512-row strips): T=2048 v5e 4701 / 4045 / 3581 / 3705, v6e 3288 /
+#: - / - / 2500 (256-row strips: 3093); v4 6588 / - / 4560 / 4789, v5p 4716 / - / 3582 /
+#: 3690, 7x 3420 / - / 3204 / 2576.
+FORWARD_STRIP_ROWS = {"v4": 256, "v5e": 256, "v5p": 256, "v6e": 512, "7x": 512}
+#: The forward cuts tiles into strips only where a block is at least this long: at 512² the
+#: strips save too little (v5e 1328 -> 1291 cycles a crossed tile, v5p 1313 -> 1301) to pay
+#: for the step's extra case test (v5e 173 -> 181 cycles), 1.002x the whole kernel.
+FORWARD_MIN_BLOCK = 1024
+#: ``FLASHLAB_FORWARD_STRIPS=0`` (read once, at import, like ``FLASHLAB_BOUNDS_CHECKS``)
+#: compiles the forward's crossed tiles whole again: the before of chapter 05's schedule, and
+#: the row chunks' partial path (:attr:`ForwardConfig.partial_tiles`) for causal tiles.
+FORWARD_STRIPS = os.environ.get("FLASHLAB_FORWARD_STRIPS", "1") != "0"
+
+
+def forward_strip_rows(cfg: ForwardConfig) -> int:
+    """The forward's query strip on ``cfg.chip`` (:data:`FORWARD_STRIP_ROWS`)."""
+    return FORWARD_STRIP_ROWS.get(cfg.chip, 256)
+
+
+def forward_applies(cfg: ForwardConfig) -> bool:
+    """Whether the forward cuts diagonal tiles into query strips: :data:`FORWARD_STRIPS`,
+    :func:`_positional`, a block of at least :data:`FORWARD_MIN_BLOCK`, whole 128-lane kv
+    widths and two strips."""
+    h = forward_strip_rows(cfg)
+    return (FORWARD_STRIPS and _positional(cfg) and max(cfg.block_q, cfg.block_k) >= FORWARD_MIN_BLOCK
+            and cfg.block_q % h == 0 and cfg.block_q >= 2 * h and cfg.block_k % 128 == 0)
+
+
+def _forward_pieces(cfg: ForwardConfig, d: int) -> tuple[Piece, ...]:
+    h, bk = forward_strip_rows(cfg), cfg.block_k
+    out = []
+    for a in range(0, cfg.block_q, h):
+        k_hi = min(bk, a + h - d)            # the strip's last query sees kv columns < a + h - d
+        if k_hi <= 0:
+            continue                         # sees no key of this tile
+        out.append(Piece(0, k_hi, a, a + h, masked=a - d < k_hi - 1))   # first query: <= a - d
+    return tuple(out)
+
+
+def forward_cases(cfg: ForwardConfig) -> tuple[tuple[int, tuple[Piece, ...]], ...]:
+    """The forward's :func:`cases`: ``((d, pieces), ...)`` per crossing offset ``d``, each
+    piece a strip of :func:`forward_strip_rows` query rows by the kv columns it sees;
+    ``()`` where :func:`forward_applies` is false."""
+    return (tuple((d, _forward_pieces(cfg, d)) for d in _crossed(cfg))
+            if forward_applies(cfg) else ())
+
+
+def forward_visits(cfg: ForwardConfig) -> tuple[int, ...]:
+    """Per case of :func:`forward_cases`, the visible tiles per (batch, head) that take it."""
+    return tuple(_crossed(cfg).values()) if forward_applies(cfg) else ()

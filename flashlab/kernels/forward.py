@@ -39,8 +39,8 @@ from flashlab.contract.masks import AttentionSpec
 from flashlab.compat.shard_map import shape_dtype, vma_of
 from flashlab.compat import pallas as compat
 from flashlab.kernels import blocks as blk
-from flashlab.kernels import visit
-from flashlab.kernels.refs import RefNames, name_refs
+from flashlab.kernels import diagonal, visit
+from flashlab.kernels.refs import RefNames, Window, name_refs
 from flashlab.compat.pallas import pl
 from flashlab.kernels.forward_grid import (ForwardGridSpec, forward_grid_spec, global_starts,
                                            sinks_operand, static_lengths)
@@ -135,25 +135,13 @@ def tile_visible(ins, cfg: ForwardConfig, q_start, k_start, q_len, kv_len, *,
 ROW_INPUTS = ("q", "bias", "mask", "q_segment_ids")
 
 
-class _Rows:
-    """``ref[rows, :]`` read as ``view[...]``: a row chunk of a block, seen by
-    :func:`score_tile` as if it were the whole block."""
-
-    def __init__(self, ref, rows):
-        self.ref, self.rows = ref, rows
-
-    def __getitem__(self, index):
-        assert index is Ellipsis, index
-        return self.ref[self.rows, :]
-
-
 def rows_of(ins, rows, block_q: int):
     """``ins`` with each of :data:`ROW_INPUTS` cut to the row chunk ``rows`` (a ``pl.ds``); a
     block broadcast over the rows (a bias or mask block of one row) is kept whole. The whole
     block (``rows`` spanning ``block_q``) is ``ins`` itself."""
     if rows.size == block_q:
         return ins
-    return {name: _Rows(ref, rows) if name in ROW_INPUTS and ref.shape[0] == block_q else ref
+    return {name: Window(ref, rows) if name in ROW_INPUTS and ref.shape[0] == block_q else ref
             for name, ref in ins.items()}
 
 
@@ -196,25 +184,54 @@ def _forward_kernel(*refs, cfg: ForwardConfig, names: RefNames):
                                       is_causal=cfg.is_causal, window=cfg.window),
             jnp.logical_and(k_start < kv_len, q_start < q_len))
 
-    # The tile as cfg.row_chunks independent chains of rows (FORWARD_ROW_CHUNKS): the
-    # scheduler overlaps one chunk's softmax with the next chunk's matmuls.
-    rows = bq // cfg.row_chunks
-    ccfg = dataclasses.replace(cfg, block_q=rows)                # the tile shape of a chunk
-
-    def fold_chunk(c):                                          # rows [c*rows, (c+1)*rows)
-        r = pl.ds(c * rows, rows)
-        s, _, visible = score_tile(rows_of(ins, r, bq), ccfg, q_start + c * rows, k_start,
-                                   q_len, kv_len)               # [rows, B_c]
+    def fold(p: diagonal.Piece):
+        """Fold queries ``[q_lo, q_hi)`` by keys ``[k_lo, k_hi)`` of the tile into those rows'
+        state: a row chunk (every key) or a piece of a crossed tile (the keys it sees)."""
+        r, nq, nk = pl.ds(p.q_lo, p.q_hi - p.q_lo), p.q_hi - p.q_lo, p.k_hi - p.k_lo
+        view = rows_of(ins, r, bq)
+        if nk != bk:                                            # the keys the piece sees
+            kk = pl.ds(p.k_lo, nk)
+            view = dict(view, k=Window(ins["k"], kk), v=Window(ins["v"], kk))
+        unmasked = not (p.masked or cfg.mask_q_len or cfg.mask_kv_len)
+        pcfg = dataclasses.replace(cfg, block_q=nq, block_k=nk,
+                                   is_causal=cfg.is_causal and not unmasked)
+        s, _, visible = score_tile(view, pcfg, q_start + p.q_lo, k_start + p.k_lo,
+                                   q_len, kv_len)                # [nq, nk]
         # m and l stay lane-replicated [rows, 128] and are updated elementwise: the tile's
         # row max and row sum are the only cross-lane reductions of a step.
         state = online_softmax.State(m_ref[r, :], l_ref[r, :], acc_ref[r, :])
-        m, l, acc = online_softmax.update(state, s, ins["v"][...], visible=visible,
+        m, l, acc = online_softmax.update(state, s, view["v"][...], visible=visible,
                                           lanes=True, base2=cfg.log2_scores)
         m_ref[r, :] = m
         l_ref[r, :] = l
         acc_ref[r, :] = acc
 
-    if cfg.partial_tiles:
+    # The tile as cfg.row_chunks independent chains of rows (FORWARD_ROW_CHUNKS): the
+    # scheduler overlaps one chunk's softmax with the next chunk's matmuls.
+    rows = bq // cfg.row_chunks
+    chunks = [diagonal.Piece(0, bk, c * rows, (c + 1) * rows, masked=True)
+              for c in range(cfg.row_chunks)]
+
+    def whole():
+        for chunk in chunks:                                    # unrolled: static slices
+            fold(chunk)
+
+    strips = diagonal.forward_cases(cfg)
+    if strips:
+        # A tile the causal diagonal crosses runs as its query strips, each against the keys
+        # it sees (diagonal.forward_cases): straight-line, one list per crossing offset d.
+        d = k_start - q_start                                   # no offsets here
+
+        @pl.when(run)
+        def _visible():
+            for dc, pieces in strips:
+                @pl.when(d == dc)
+                def _staircase(pieces=pieces):
+                    for piece in pieces:
+                        fold(piece)
+            pl.when(jnp.logical_not(diagonal.crossing(cfg, d)))(whole)
+        run = False
+    elif cfg.partial_tiles:
         # Where a chunk can see nothing of a visible tile (causal with B_r > B_c, a window),
         # such a tile takes a second path that runs only its chunks that see something, each
         # behind its own pl.when (no overlap between them, but no wasted chunk either).
@@ -223,15 +240,13 @@ def _forward_kernel(*refs, cfg: ForwardConfig, names: RefNames):
 
         @pl.when(jnp.logical_and(run, jnp.logical_not(every)))
         def _partial():
-            for c in range(cfg.row_chunks):
-                pl.when(seen[c])(functools.partial(fold_chunk, c))
+            for chunk, sees in zip(chunks, seen):
+                pl.when(sees)(functools.partial(fold, chunk))
 
         run = jnp.logical_and(run, every)
 
-    @pl.when(run)
-    def _compute():
-        for c in range(cfg.row_chunks):                         # unrolled: static slices
-            fold_chunk(c)
+    if run is not False:
+        pl.when(run)(whole)
 
     @pl.when(last)
     def _finalize():                                              # O_i = acc * (1 / l)

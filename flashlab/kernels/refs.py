@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, NamedTuple, Sequence
 
-__all__ = ["RefNames", "name_refs"]
+__all__ = ["RefNames", "name_refs", "Window"]
 
 
 class RefNames(NamedTuple):
@@ -37,3 +37,18 @@ def name_refs(refs: Sequence[Any], names: RefNames) -> Mapping[str, Any]:
     if len(set(flat)) != len(flat):
         raise ValueError(f"names: duplicate ref names in {flat}")
     return dict(zip(flat, refs))
+
+
+class Window:
+    """``ref[rows, cols]`` read as ``view[...]`` (``view[r, :]``: rows ``r`` of the window's
+    columns): a slice of a block in VMEM (a row chunk, a diagonal piece,
+    :class:`flashlab.kernels.diagonal.Piece`) that a tile function reads as the whole block.
+    No copy: each read is a window of the resident block."""
+
+    def __init__(self, ref, rows=slice(None), cols=slice(None)):
+        self.ref, self.rows, self.cols = ref, rows, cols
+
+    def __getitem__(self, index):
+        if index is Ellipsis:
+            return self.ref[self.rows, self.cols]
+        return self.ref[index[0], self.cols]
