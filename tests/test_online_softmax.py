@@ -135,3 +135,28 @@ def test_nan_logits_finalize_to_nan_and_empty_rows_to_zero():
     assert np.isnan(out[:2]).all() and np.isnan(lse[:2]).all()
     assert np.allclose(out[2], 1.0) and np.isfinite(lse[2])
     assert np.all(out[3] == 0) and np.isneginf(lse[3])
+
+
+def test_lanes_finalize_needs_no_empty_row_test():
+    """The kernels' layout (m, l lane-replicated [rows, 128]): every seen row's l is at least 1
+    exactly (finalize takes 1 / max(l, 1) instead of testing m per element), an empty row
+    still gives 0 and lse -inf, NaN logits NaN, and seen rows match the plain layout."""
+    L = 128
+    rng = np.random.default_rng(3)
+    s = jnp.asarray(rng.standard_normal((5, 8)) * 30, jnp.float32).at[0, 1].set(jnp.nan)
+    v = jnp.asarray(rng.standard_normal((8, 2)), jnp.float32)
+    vis = jnp.ones((5, 8), bool).at[3].set(False).at[4, :6].set(False)
+    lanes = osm.State(jnp.full((5, L), osm.NEG_INF), jnp.zeros((5, L)), jnp.zeros((5, 2)))
+    plain = osm.init((5,), 2)
+    for a in (0, 4):
+        cut = (s[:, a:a + 4], v[a:a + 4], vis[:, a:a + 4])
+        lanes = osm.update(lanes, *cut, lanes=True)
+        plain = osm.update(plain, *cut)
+    seen = [1, 2, 4]
+    assert (np.asarray(lanes.l)[seen] >= 1.0).all()
+    out, lse = (np.asarray(x) for x in osm.finalize(lanes, lanes=True,
+                                                     inverse=lambda l: 1.0 / l))
+    ref, ref_lse = (np.asarray(x) for x in osm.finalize(plain))
+    assert np.isnan(out[0]).all() and np.all(out[3] == 0) and np.isneginf(lse[3]).all()
+    np.testing.assert_allclose(out[seen], ref[seen], rtol=1e-6)
+    np.testing.assert_allclose(lse[seen, 0], ref_lse[seen], rtol=1e-6)

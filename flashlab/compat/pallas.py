@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
@@ -24,7 +25,8 @@ __all__ = ["pl", "pltpu", "BlockSpec", "CompilerParams", "InterpretParams",
            "get_tpu_info", "get_tpu_info_for_chip", "force_tpu_interpret_mode",
            "reset_tpu_interpret_mode_state", "races_found", "is_interpret_params",
            "OFFICIAL_FLASH_MODULE", "OFFICIAL_SPLASH_MODULE", "official_flash_attention",
-           "official_splash_attention", "versions", "direct_pallas_imports"]
+           "official_splash_attention", "versions", "direct_pallas_imports",
+           "RECIPROCAL_FULL_RANGE", "reciprocal_normal"]
 
 BlockSpec = pl.BlockSpec
 CostEstimate = pl.CostEstimate
@@ -38,6 +40,17 @@ get_tpu_info = getattr(pltpu, "get_tpu_info", None)
 # get_tpu_info_for_chip(chip_version: ChipVersion, num_tensor_cores_per_logical_device: int)
 # -> TpuInfo (per-TensorCore numbers, e.g. .vmem_capacity_bytes). Absent in older JAX.
 get_tpu_info_for_chip = getattr(pltpu, "get_tpu_info_for_chip", None)
+#: Whether ``pl.reciprocal`` takes ``full_range`` (newer JAX; absent in 0.7.0).
+RECIPROCAL_FULL_RANGE = "full_range" in inspect.signature(pl.reciprocal).parameters
+
+
+def reciprocal_normal(x):
+    """``1 / x`` for a float32 ``x`` that is never zero, infinite or subnormal (NaN passes):
+    ``pl.reciprocal(x, full_range=False)``, Mosaic's own reciprocal without its fix-ups for
+    those values; plain ``1 / x`` on a JAX without ``full_range``."""
+    if RECIPROCAL_FULL_RANGE:
+        return pl.reciprocal(x, approx=False, full_range=False)
+    return 1.0 / x
 
 
 def force_tpu_interpret_mode(params=None):

