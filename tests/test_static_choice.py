@@ -51,6 +51,10 @@ def test_forward_optimisation_rows_are_measured_and_tabulated():
     # the grid step's two changes: bounds checks off, then the visit list read as planes
     assert rows[2]["step_cycles"] > rows[3]["step_cycles"] > rows[4]["step_cycles"]
     assert rows[3]["tile_cycles"] == rows[4]["tile_cycles"] == rows[2]["tile_cycles"]
+    # the finalize without its empty-row test: same tile and step, a cheaper finalize
+    assert (rows[5]["tile_cycles"], rows[5]["step_cycles"]) == (rows[4]["tile_cycles"],
+                                                                rows[4]["step_cycles"])
+    assert rows[5]["finalize_cycles"] < rows[4]["finalize_cycles"]
     text = viz.optimisation_table(rows)
     assert str(rows[0]["tile_cycles"]) in text and "VALU" in text
 
