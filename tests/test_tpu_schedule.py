@@ -126,6 +126,7 @@ def test_role_of(name, role):
     (["--seq-len", "1000", "--blocks", "default"], "--seq-len: expected a multiple of 128"),
     (["--sweep", "512x1000"], "--sweep: block_k must be a multiple of 128"),
     (["--sweep", "512"], "--sweep: expected BQxBK"),
+    (["--blocks"], "--blocks: none given and no --sweep pairs"),
 ])
 def test_bench_cli_validation(args, match, capsys):
     from flashlab.benchmarks import backends as bench

@@ -282,9 +282,10 @@ def parser() -> argparse.ArgumentParser:
                    help="TPU generations (default: all five)")
     p.add_argument("--library", nargs="+", default=list(LIBRARIES), choices=list(LIBRARIES))
     p.add_argument("--kernel", nargs="+", default=list(MATMULS), choices=list(MATMULS))
-    p.add_argument("--blocks", nargs="+", default=["default", "equal"],
+    p.add_argument("--blocks", nargs="*", default=["default", "equal"],
                    choices=["default", "equal"],
-                   help="each library's default blocks, and/or --block x --block for all")
+                   help="each library's default blocks, and/or --block x --block for all; "
+                        "none (--blocks alone): only the --sweep pairs")
     p.add_argument("--block", type=_positive("--block"), default=512)
     p.add_argument("--batch", type=_positive("--batch"), default=2)
     p.add_argument("--seq-len", type=_positive("--seq-len"), default=8192)
@@ -335,6 +336,8 @@ def main(argv=None) -> int:
         if a.seq_len % bq or a.seq_len % bk:
             p.error(f"--sweep: --seq-len {a.seq_len} is not a multiple of {text!r}")
         sweep.append((bq, bk))
+    if not a.blocks and not sweep:
+        p.error("--blocks: none given and no --sweep pairs: nothing to measure")
     from flashlab.instruments import tpu_compile
     if not tpu_compile.available():
         p.error(f"libtpu (the TPU compiler) is not installed: {tpu_compile.INSTALL}")
