@@ -202,7 +202,7 @@ def _chunked(monkeypatch, chunks=4):
     from flashlab.kernels import forward_config
     monkeypatch.setitem(forward_config.FORWARD_ROW_CHUNKS, "v5e", chunks)
     monkeypatch.setattr(forward_config, "CHUNK_MIN_ROWS", 32)
-    monkeypatch.setattr(forward_config, "CHUNK_MIN_BLOCK_K", 128)
+    monkeypatch.setitem(forward_config.CHUNK_MIN_BLOCK_K, "v5e", 128)
 
 
 @pytest.mark.parametrize("option", ["none", "causal_window", "seq_lengths", "segments_pair",
@@ -294,8 +294,9 @@ def test_row_chunks_no_races_in_tpu_interpret_mode(monkeypatch, T, S, bq, option
 
 
 def test_row_chunks_only_where_measured_to_pay():
-    """forward_config.FORWARD_ROW_CHUNKS: wide tiles on v5e, v5p, v4 and v6e; never on 7x, at
-    512², with fewer than 1024 columns, or for the backward's kernels."""
+    """forward_config.FORWARD_ROW_CHUNKS: wide tiles on v5e, v5p, v4 and v6e; never on 7x, with
+    fewer than 1024 columns (512 on v5e and v5p: CHUNK_MIN_BLOCK_K), or for the backward's
+    kernels."""
     from flashlab.kernels.forward_config import make_config
     q = jnp.zeros((1, 4096, 2, 128), jnp.bfloat16)
     *_, spec = validate(q, q, q, is_causal=True)
@@ -305,11 +306,13 @@ def test_row_chunks_only_where_measured_to_pay():
         256, 256, 512, 512, None]
     assert rows("v5e", 1024, 2048) == 256 and rows("v6e", 2048, 1024) == 1024
     assert rows("v5e", 512, 1024) == 256                # two chunks of at least 256 rows
-    assert rows("v5e", 512, 512) is None and rows("v4", 2048, 512) is None
+    assert rows("v5e", 512, 512) == rows("v5p", 512, 512) == 256     # 512 columns: v5e, v5p
+    assert rows("v4", 512, 512) is None and rows("v6e", 512, 512) is None
+    assert rows("v5e", 512, 256) is None and rows("v4", 2048, 512) is None
     assert rows("v5e", 1024, 1024, backward_blocks=True) is None
     # a masked tile on v5e keeps natural logits in one chain, base 2 in chunks
     log2 = lambda bq, bk: make_config(spec, block_q=bq, block_k=bk, chip="v5e").log2_scores  # noqa
-    assert log2(512, 512) is False and log2(1024, 1024) is True
+    assert log2(512, 256) is False and log2(512, 512) is True
 
 
 @pytest.mark.parametrize("chip, causal, log2", [("v5e", True, False), ("v6e", True, True),

@@ -245,7 +245,11 @@ def make_config(spec: AttentionSpec, *, block_q=None, block_k=None, return_lse=F
 #: cost v5e 1328 -> 1341 cycles, v6e 1001 -> 1309, and v4's 2048 × 512 5548 -> 5868, hence
 #: :data:`CHUNK_MIN_BLOCK_K` and :data:`CHUNK_MIN_ROWS`.
 FORWARD_ROW_CHUNKS = {"v5e": 4, "v5p": 4, "v4": 2, "v6e": 2}
-CHUNK_MIN_BLOCK_K = 1024     # a narrower tile has too little softmax to hide
+#: The narrowest tile folded in chunks, per chip (absent: 1024): narrower, a tile has too
+#: little softmax to hide, except on v5e and v5p, whose 512-column tiles gain from two
+#: chunks of 256 rows (causal, 512²: v5e 1328 -> 1276 cycles, v5p 1313 -> 1289; non-causal
+#: 1309 -> 1275 and 1309 -> 1290), where v4 loses (1721 -> 1770) and v6e too (1001 -> 1309).
+CHUNK_MIN_BLOCK_K = {"v5e": 512, "v5p": 512}
 CHUNK_MIN_ROWS = 256         # a chunk of fewer rows has too little matmul to hide it under
 
 
@@ -256,7 +260,8 @@ def _chunk_rows(cfg: ForwardConfig) -> int | None:
     Chunks are whole multiples of 32 rows, so that each starts on a whole (sublane) tile of
     every block it cuts (float32 8 rows, bfloat16 16, the int8 mask 32)."""
     chunks = min(FORWARD_ROW_CHUNKS.get(cfg.chip, 1), cfg.block_q // CHUNK_MIN_ROWS)
-    if chunks < 2 or cfg.block_k < CHUNK_MIN_BLOCK_K or cfg.block_q % (32 * chunks):
+    if (chunks < 2 or cfg.block_k < CHUNK_MIN_BLOCK_K.get(cfg.chip, 1024)
+            or cfg.block_q % (32 * chunks)):
         return None
     return cfg.block_q // chunks
 
