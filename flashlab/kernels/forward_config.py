@@ -241,14 +241,16 @@ def make_config(spec: AttentionSpec, *, block_q=None, block_k=None, return_lse=F
 #: tile for 1 / 2 / 4 / 8 chunks): causal T=8192 1024²: v5e 5421 / 5040 / 4808 / 5568, v5p
 #: 5387 / 5053 / 4818, v4 7002 / 6588 / 6588, v6e 3368 / 3288 / 3746 / 5114, 7x 3420 / 3487 /
 #: 4016 (7x keeps one chain); non-causal 1024 × 2048: v5e 10191 / 9383 / 8723, v5p 10215 /
-#: 9348 / 8791; 2048 × 1024: v6e 5745 / 5386 / 5614. Smaller tiles lose: at 512² two chunks
-#: cost v5e 1328 -> 1341 cycles, v6e 1001 -> 1309, and v4's 2048 × 512 5548 -> 5868, hence
-#: :data:`CHUNK_MIN_BLOCK_K` and :data:`CHUNK_MIN_ROWS`.
+#: 9348 / 8791; 2048 × 1024: v6e 5745 / 5386 / 5614. Narrower tiles lose on v4 and v6e: at
+#: 512² two chunks cost v6e 1001 -> 1309 cycles and v4 1721 -> 1770, v4's 2048 × 512 5548 ->
+#: 5868; on v5e and v5p two chunks of a 512² tile win with base-2 scores (v5e 1328 -> 1276;
+#: 1341 with natural ones, as first measured), hence :data:`CHUNK_MIN_BLOCK_K` and
+#: :data:`CHUNK_MIN_ROWS`.
 FORWARD_ROW_CHUNKS = {"v5e": 4, "v5p": 4, "v4": 2, "v6e": 2}
 #: The narrowest tile folded in chunks, per chip (absent: 1024): narrower, a tile has too
 #: little softmax to hide, except on v5e and v5p, whose 512-column tiles gain from two
 #: chunks of 256 rows (causal, 512²: v5e 1328 -> 1276 cycles, v5p 1313 -> 1289; non-causal
-#: 1309 -> 1275 and 1309 -> 1290), where v4 loses (1721 -> 1770) and v6e too (1001 -> 1309).
+#: 1309 -> 1275 and 1309 -> 1290; v5e 1024 × 512 in four: 2698 -> 2367).
 CHUNK_MIN_BLOCK_K = {"v5e": 512, "v5p": 512}
 CHUNK_MIN_ROWS = 256         # a chunk of fewer rows has too little matmul to hide it under
 
