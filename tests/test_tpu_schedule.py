@@ -192,6 +192,19 @@ def test_live_compile_reads_the_forward_strips():
 
 
 @needs_libtpu
+def test_live_compile_one_block_is_its_own_case():
+    """T = B_r = B_c (2048, causal): the one visible tile is crossed and the compiler, knowing
+    it, keeps only that case: the reader's tile is the case, priced once per head."""
+    from flashlab.benchmarks import tpu_static as bts
+    rows, _ = bts.measure(chips=["v6e"], libraries=["flashlab"], modes=[],
+                          sweep=[(2048, 2048)], kernels=["forward"], batch=1, seq_len=2048,
+                          heads=2, progress=False)
+    (r,) = rows
+    assert "error" not in r and r["tiles"] == 2 and r["case_tiles"] == []
+    assert 0 < r["tile_cycles"] < r["mxu_cycles"] * 2
+
+
+@needs_libtpu
 def test_live_compile_reads_the_diagonal_cases():
     """The fused backward at 1024 x 2048 (v6e, causal, T=4096) runs a crossed tile as the kv
     strips of its offset d = -1024 or d = 0 (kernels/diagonal.py), each case a straight-line

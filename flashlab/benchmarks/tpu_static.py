@@ -106,6 +106,10 @@ def _row(k: tpu_dump.KernelDump, blocks, *, chip, library, mode, batch, seq_len,
     tiles = batch * heads * _visible_tiles(seq_len, bq, bk, causal)
     partial, partial_chunks = (batch * heads * n for n in chunk_visits)
     cases = [batch * heads * n for n in cases]
+    if len(cases) == 1 and not s.case_cycles and cases[0] == tiles:
+        # every visible tile is crossed at one offset (one block: T = B_r = B_c), the compiler
+        # knew it and dropped the whole-tile path: the tile region is that case
+        cases = []
     zero = (resident_zeroing(s, seq_len=seq_len, block_q=bq, head_dim=head_dim,
                              dq_chunks=dq_chunks)
             if library.startswith("flashlab") and k.role == "fused" else 0)

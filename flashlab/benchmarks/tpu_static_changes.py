@@ -17,8 +17,10 @@ def stored_before(name: str) -> dict:
     """A stored BEFORE file of ``flashlab/data`` by name: ``"backward_subtiles_before"`` (the
     fused backward running every visible tile whole), ``"backward_quarters_before"`` (its
     diagonal tiles as 2 x 2 sub-tiles, before the kv strips), ``"grid_step_before"`` (the
-    forward and the fused backward with Mosaic's DMA bounds checks and the packed visit list;
-    chapter 05 sets them against a run with :func:`tpu_static_report.before_after_table`)."""
+    forward and the fused backward with Mosaic's DMA bounds checks and the packed visit list),
+    ``"forward_strips_before"`` (the forward with its crossed tiles whole and the finalize's
+    empty-row test; chapter 05 sets these against a run with
+    :func:`tpu_static_report.before_after_table`)."""
     return json.loads((DATA / f"{name}.json").read_text())
 
 
