@@ -55,6 +55,7 @@ def test_forward_optimisation_rows_are_measured_and_tabulated():
     assert (rows[5]["tile_cycles"], rows[5]["step_cycles"]) == (rows[4]["tile_cycles"],
                                                                 rows[4]["step_cycles"])
     assert rows[5]["finalize_cycles"] < rows[4]["finalize_cycles"]
+    assert rows[6]["tile_cycles"] < rows[5]["tile_cycles"]        # two row chunks at 512²
     text = viz.optimisation_table(rows)
     assert str(rows[0]["tile_cycles"]) in text and "VALU" in text
 
