@@ -230,7 +230,6 @@ def _forward_kernel(*refs, cfg: ForwardConfig, names: RefNames):
                     for piece in pieces:
                         fold(piece)
             pl.when(jnp.logical_not(diagonal.crossing(cfg, d)))(whole)
-        run = False
     elif cfg.partial_tiles:
         # Where a chunk can see nothing of a visible tile (causal with B_r > B_c, a window),
         # such a tile takes a second path that runs only its chunks that see something, each
@@ -245,7 +244,7 @@ def _forward_kernel(*refs, cfg: ForwardConfig, names: RefNames):
 
         run = jnp.logical_and(run, every)
 
-    if run is not False:
+    if not strips:
         pl.when(run)(whole)
 
     @pl.when(last)
