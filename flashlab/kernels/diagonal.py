@@ -179,7 +179,8 @@ def forward_applies(cfg: ForwardConfig) -> bool:
     :func:`_positional`, a block of at least :data:`FORWARD_MIN_BLOCK`, whole 128-lane kv
     widths and two strips."""
     h = forward_strip_rows(cfg)
-    return (FORWARD_STRIPS and _positional(cfg) and max(cfg.block_q, cfg.block_k) >= FORWARD_MIN_BLOCK
+    return (FORWARD_STRIPS and _positional(cfg)
+            and max(cfg.block_q, cfg.block_k) >= FORWARD_MIN_BLOCK
             and cfg.block_q % h == 0 and cfg.block_q >= 2 * h and cfg.block_k % 128 == 0)
 
 
