@@ -14,3 +14,16 @@ def rng():
 
 
 from flashlab.dispatch.conformance import random_qkv
+
+
+def flag_at_import(module: str, name: str, **env) -> bool:
+    """``module.name`` (a flag read from the environment at import) in a fresh interpreter
+    whose environment adds ``env``: what a process started that way sees."""
+    import os
+    import subprocess
+    import sys
+    code = f"from {module} import {name} as f; import sys; sys.exit(0 if f else 3)"
+    rc = subprocess.run([sys.executable, "-c", code], timeout=120,
+                        env=dict(os.environ, JAX_PLATFORMS="cpu", **env)).returncode
+    assert rc in (0, 3), rc
+    return rc == 0

@@ -1,15 +1,11 @@
 """The forward's crossed tiles cut into query strips (kernels/diagonal.py, chapter 05): the
 staircase, where it applies, and the output against the float64 oracle in both interpret
 modes (tolerances as in test_kernel_forward: float32 2e-5, bfloat16 2e-2)."""
-import os
-import subprocess
-import sys
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import random_qkv
+from conftest import flag_at_import, random_qkv
 from flashlab.compat import pallas as compat
 from flashlab.contract import device
 from flashlab.contract.masks import validate
@@ -64,12 +60,9 @@ def test_strips_only_where_the_pieces_follow_from_positions(kw, blocks):
 
 def test_strips_switch_off_with_the_environment():
     """``FLASHLAB_FORWARD_STRIPS=0`` (read at import) compiles crossed tiles whole."""
-    code = ("from flashlab.kernels import diagonal as d; import sys; "
-            "sys.exit(0 if d.FORWARD_STRIPS else 3)")
-    env = dict(os.environ, FLASHLAB_FORWARD_STRIPS="0", JAX_PLATFORMS="cpu")
-    assert subprocess.run([sys.executable, "-c", code], env=env, timeout=120).returncode == 3
-    env["FLASHLAB_FORWARD_STRIPS"] = "1"
-    assert subprocess.run([sys.executable, "-c", code], env=env, timeout=120).returncode == 0
+    flag = ("flashlab.kernels.diagonal", "FORWARD_STRIPS")
+    assert not flag_at_import(*flag, FLASHLAB_FORWARD_STRIPS="0")
+    assert flag_at_import(*flag, FLASHLAB_FORWARD_STRIPS="1")
 
 
 def _small_strips(monkeypatch):

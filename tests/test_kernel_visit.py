@@ -6,6 +6,7 @@ import pytest
 
 import jax.numpy as jnp
 
+from conftest import flag_at_import
 from flashlab.contract import masks
 from flashlab.ladder import reference
 from flashlab.kernels import blocks as blk, forward as fw, visit
@@ -272,15 +273,9 @@ def test_every_index_map_stays_in_bounds_for_any_lengths(causal, window, visit_g
 
 def test_bounds_checks_come_back_with_the_environment_switch():
     """``FLASHLAB_BOUNDS_CHECKS=1`` (read at import) turns Mosaic's DMA checks back on."""
-    import os
-    import subprocess
-    import sys
-    code = ("from flashlab.kernels import forward_grid as f; import sys; "
-            "sys.exit(0 if f.BOUNDS_CHECKS else 3)")
-    env = dict(os.environ, FLASHLAB_BOUNDS_CHECKS="1", JAX_PLATFORMS="cpu")
-    assert subprocess.run([sys.executable, "-c", code], env=env, timeout=120).returncode == 0
-    env["FLASHLAB_BOUNDS_CHECKS"] = ""
-    assert subprocess.run([sys.executable, "-c", code], env=env, timeout=120).returncode == 3
+    flag = ("flashlab.kernels.forward_grid", "BOUNDS_CHECKS")
+    assert flag_at_import(*flag, FLASHLAB_BOUNDS_CHECKS="1")
+    assert not flag_at_import(*flag, FLASHLAB_BOUNDS_CHECKS="")
 
 
 @pytest.mark.parametrize("transposed", [False, True])
