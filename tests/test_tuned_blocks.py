@@ -127,3 +127,16 @@ def test_a_backward_pair_is_ranked_by_the_backward_that_ran_there():
     assert (e["kernel"], e["block_q"], e["block_k"], e["est_cycles"]) == ("backward", 512,
                                                                           1024, 15)
     assert sorted(t["est_cycles"] for t in e["tried"]) == [15, 18]
+
+
+def test_a_measured_block_is_halved_where_half_pads_less():
+    """A class is measured at one length: its winner is kept where it tiles a request as well
+    as its half, and halved where it would pad more (blocks.padding_fit), forward and
+    backward alike (the committed table: v5e's T in [1024, 4095] class is 2048 x 2048)."""
+    assert [blk.padding_fit(t, 2048, 128) for t in (2048, 3000, 4096, 5000, 8000)] == [
+        2048, 1024, 2048, 1024, 2048]
+    assert blk.padding_fit(3000, 2048, 2048) == 2048        # never below the unit
+    bf16 = jnp.dtype(jnp.bfloat16)
+    for choose in (blk.choose_block_sizes, blk.choose_backward_block_sizes):
+        assert choose(2048, 2048, 128, bf16, "v5e", is_causal=True) == (2048, 2048)
+        assert choose(3000, 3000, 128, bf16, "v5e", is_causal=True) == (1024, 1024)

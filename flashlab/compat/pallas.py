@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import inspect
 
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
@@ -40,17 +39,6 @@ get_tpu_info = getattr(pltpu, "get_tpu_info", None)
 # get_tpu_info_for_chip(chip_version: ChipVersion, num_tensor_cores_per_logical_device: int)
 # -> TpuInfo (per-TensorCore numbers, e.g. .vmem_capacity_bytes). Absent in older JAX.
 get_tpu_info_for_chip = getattr(pltpu, "get_tpu_info_for_chip", None)
-#: Whether ``pl.reciprocal`` takes ``full_range`` (newer JAX; absent in 0.7.0).
-RECIPROCAL_FULL_RANGE = "full_range" in inspect.signature(pl.reciprocal).parameters
-
-
-def reciprocal_normal(x):
-    """``1 / x`` for a float32 ``x`` that is never zero, infinite or subnormal (NaN passes):
-    ``pl.reciprocal(x, full_range=False)``, Mosaic's own reciprocal without its fix-ups for
-    those values; plain ``1 / x`` on a JAX without ``full_range``."""
-    if RECIPROCAL_FULL_RANGE:
-        return pl.reciprocal(x, approx=False, full_range=False)
-    return 1.0 / x
 
 
 def force_tpu_interpret_mode(params=None):
@@ -162,3 +150,16 @@ def direct_pallas_imports(package_dir=None) -> dict[str, list[str]]:
         if mods:
             found[str(path.relative_to(root.parent))] = mods
     return found
+
+
+#: Whether ``pl.reciprocal`` takes ``full_range`` (newer JAX; absent in 0.7.0).
+RECIPROCAL_FULL_RANGE = "full_range" in pl.reciprocal.__code__.co_varnames
+
+
+def reciprocal_normal(x):
+    """``1 / x`` for a float32 ``x`` that is never zero, infinite or subnormal (NaN passes):
+    ``pl.reciprocal(x, full_range=False)``, Mosaic's own reciprocal without its fix-ups for
+    those values; plain ``1 / x`` on a JAX without ``full_range``."""
+    if RECIPROCAL_FULL_RANGE:
+        return pl.reciprocal(x, approx=False, full_range=False)
+    return 1.0 / x

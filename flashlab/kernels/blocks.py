@@ -37,7 +37,7 @@ __all__ = ["LANES", "SUBLANES", "VMEM_BYTES", "sublane_tile", "round_up", "lane_
            "vmem_capacity_bytes", "vmem_budget_bytes", "vmem_bytes", "choose_block_sizes",
            "check_block_sizes", "kv_block_range", "resolve_chip", "vmem_limit_bytes",
            "clamp_block", "num_visible_blocks", "div_nonneg", "q_block_range",
-           "backward_vmem_bytes", "choose_backward_block_sizes"]
+           "backward_vmem_bytes", "choose_backward_block_sizes", "padding_fit"]
 
 #: VMEM per TensorCore, bytes (JAX 0.10.2 ``tpu_info._get_tpu_info_impl``).
 VMEM_BYTES = {
@@ -230,13 +230,27 @@ def choose_block_sizes(q_len: int, kv_len: int, head_dim: int, dtype, chip: str 
     if is_causal is not None:
         e = tuned_blocks.lookup(q_len, kv_len, head_dim, dtype, resolve_chip(chip),
                                 is_causal=is_causal)
-        if (e is not None and e["block_q"] % rule == 0 and e["block_k"] % LANES == 0
-                and e["block_q"] <= round_up(q_len, rule)
-                and e["block_k"] <= round_up(kv_len, LANES) and fits(e["block_q"], e["block_k"])):
-            return e["block_q"], e["block_k"]
+        if e is not None:
+            tq = padding_fit(q_len, e["block_q"], rule)
+            tk = padding_fit(kv_len, e["block_k"], LANES)
+            if (tq % rule == 0 and tk % LANES == 0 and tq <= round_up(q_len, rule)
+                    and tk <= round_up(kv_len, LANES) and fits(tq, tk)):
+                return tq, tk
     bq = min(512, round_up(q_len, rule))
     bk = min(1024 if lane_pad(head_dim) <= 128 else 512, round_up(kv_len, LANES))
     return _shrink_to_fit(fits, bq, bk, rule)
+
+
+def padding_fit(length: int, block: int, unit: int) -> int:
+    """A measured block (:mod:`flashlab.kernels.tuned_blocks`) for a ``length`` its class
+    holds but its sweep did not: halved while half of it pads ``length`` less. A class is
+    measured at one length (T = 2048 for [1024, 4095]); at T = 3000 its 2048-block would pad
+    to 4096, a third of the grid's work on padding, where 1024 pads to 3072. Whole multiples
+    of ``unit`` throughout; a block that tiles ``length`` as well as its half is kept."""
+    while (block % (2 * unit) == 0
+           and round_up(length, block // 2) < round_up(length, block)):
+        block //= 2
+    return block
 
 
 def _shrink_to_fit(fits, bq, bk, rule):
@@ -331,11 +345,13 @@ def choose_backward_block_sizes(q_len: int, kv_len: int, head_dim: int, dtype,
     if is_causal is not None:
         e = tuned_blocks.lookup(q_len, kv_len, head_dim, dtype, resolve_chip(chip),
                                 is_causal=is_causal, kernel="backward")
-        if (e is not None and e["block_q"] % max(rule, LANES) == 0 and e["block_k"] % LANES == 0
-                and e["block_q"] <= round_up(q_len, LANES)
-                and e["block_k"] <= round_up(kv_len, LANES)
-                and _backward_fits(e["block_q"], e["block_k"], head_dim, dtype, chip, **kw)):
-            return e["block_q"], e["block_k"]
+        if e is not None:
+            tq = padding_fit(q_len, e["block_q"], max(rule, LANES))
+            tk = padding_fit(kv_len, e["block_k"], LANES)
+            if (tq % max(rule, LANES) == 0 and tk % LANES == 0
+                    and tq <= round_up(q_len, LANES) and tk <= round_up(kv_len, LANES)
+                    and _backward_fits(tq, tk, head_dim, dtype, chip, **kw)):
+                return tq, tk
     bq = min(512, round_up(q_len, rule))
     bk = min(512, round_up(kv_len, LANES))
     return _shrink_to_fit(lambda bq, bk: _backward_fits(bq, bk, head_dim, dtype, chip, **kw),
