@@ -32,8 +32,8 @@ def _flashlab(chip, backward, causal, block, shape, dtype, which="auto"):
         q, k, v, spec = masks.validate(q, k, v, None, None, is_causal=causal)
         f = forward_config.make_config(spec, block_q=bq, block_k=bk, chip=chip)
         got["fwd"] = (f.block_q, f.block_k)
-        got["chunk_visits"] = f.chunk_visits()
-        got["forward_cases"] = diagonal.forward_visits(f)
+        got["forward_cases"] = diagonal.forward_visits(f)     # query strips, else row chunks
+        got["chunk_visits"] = (0, 0) if got["forward_cases"] else f.chunk_visits()
         c, got["fused"] = backward_grid.resolve_backward(spec, which, block_q=bq, block_k=bk,
                                                          chip=chip)
         got["bwd"] = [c.block_q, c.block_k]

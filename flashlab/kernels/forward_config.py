@@ -80,12 +80,11 @@ class ForwardConfig:
     def partial_tiles(self) -> bool:
         """Whether a visible tile can hold a row chunk that sees none of its keys (causal with
         ``block_q > block_k``, or a window, in row chunks): the kernel then runs such a tile
-        by a second path, its visible chunks only (:meth:`chunk_visits` counts them). Not
-        where the forward cuts crossed tiles into query strips
-        (:func:`~flashlab.kernels.diagonal.forward_cases`): those run only what they see."""
-        from flashlab.kernels import diagonal          # diagonal imports this module
+        by a second path, its visible chunks only (:meth:`chunk_visits` counts them), unless it
+        cuts crossed tiles into query strips
+        (:func:`~flashlab.kernels.diagonal.forward_cases`), which run only what they see."""
         return self.row_chunks > 1 and (self.window is not None or (
-            self.is_causal and self.block_q > self.block_k)) and not diagonal.forward_applies(self)
+            self.is_causal and self.block_q > self.block_k))
 
     def chunks_seen(self, q_start, k_start) -> list:
         """Per row chunk of the tile at ``(q_start, k_start)``: whether it may see any of the
