@@ -230,12 +230,9 @@ def choose_block_sizes(q_len: int, kv_len: int, head_dim: int, dtype, chip: str 
     if is_causal is not None:
         e = tuned_blocks.lookup(q_len, kv_len, head_dim, dtype, resolve_chip(chip),
                                 is_causal=is_causal)
-        if e is not None:
-            tq = padding_fit(q_len, e["block_q"], rule)
-            tk = padding_fit(kv_len, e["block_k"], LANES)
-            if (tq % rule == 0 and tk % LANES == 0 and tq <= round_up(q_len, rule)
-                    and tk <= round_up(kv_len, LANES) and fits(tq, tk)):
-                return tq, tk
+        got = _measured(e, q_len, kv_len, rule, fits)
+        if got is not None:
+            return got
     bq = min(512, round_up(q_len, rule))
     bk = min(1024 if lane_pad(head_dim) <= 128 else 512, round_up(kv_len, LANES))
     return _shrink_to_fit(fits, bq, bk, rule)
@@ -251,6 +248,18 @@ def padding_fit(length: int, block: int, unit: int) -> int:
            and round_up(length, block // 2) < round_up(length, block)):
         block //= 2
     return block
+
+
+def _measured(e, q_len: int, kv_len: int, q_unit: int, fits):
+    """The measured table's entry ``e`` as blocks for this request (:func:`padding_fit` on
+    each axis), or ``None`` where there is none, it breaks the tiling rule (``q_unit`` rows,
+    128 lanes), exceeds the padded lengths or does not ``fits``."""
+    if e is None:
+        return None
+    bq, bk = padding_fit(q_len, e["block_q"], q_unit), padding_fit(kv_len, e["block_k"], LANES)
+    ok = (bq % q_unit == 0 and bk % LANES == 0 and bq <= round_up(q_len, q_unit)
+          and bk <= round_up(kv_len, LANES) and fits(bq, bk))
+    return (bq, bk) if ok else None
 
 
 def _shrink_to_fit(fits, bq, bk, rule):
@@ -345,13 +354,10 @@ def choose_backward_block_sizes(q_len: int, kv_len: int, head_dim: int, dtype,
     if is_causal is not None:
         e = tuned_blocks.lookup(q_len, kv_len, head_dim, dtype, resolve_chip(chip),
                                 is_causal=is_causal, kernel="backward")
-        if e is not None:
-            tq = padding_fit(q_len, e["block_q"], max(rule, LANES))
-            tk = padding_fit(kv_len, e["block_k"], LANES)
-            if (tq % max(rule, LANES) == 0 and tk % LANES == 0
-                    and tq <= round_up(q_len, LANES) and tk <= round_up(kv_len, LANES)
-                    and _backward_fits(tq, tk, head_dim, dtype, chip, **kw)):
-                return tq, tk
+        got = _measured(e, q_len, kv_len, max(rule, LANES),
+                        lambda bq, bk: _backward_fits(bq, bk, head_dim, dtype, chip, **kw))
+        if got is not None:
+            return got
     bq = min(512, round_up(q_len, rule))
     bk = min(512, round_up(kv_len, LANES))
     return _shrink_to_fit(lambda bq, bk: _backward_fits(bq, bk, head_dim, dtype, chip, **kw),
