@@ -219,15 +219,21 @@ _ESTIMATE_CASES = [
     ("v4", 512, 1024, {"fused": 4, "T": 32768}),           # and at 32768: dQ in 4 chunks
     ("v5e", 1024, 1024, {"fused": 1, "T": 32768}),         # a 16 MiB resident dQ
     ("v5e", 2048, 1024, {"soft_cap": True}),
+    ("v4", 1024, 1024, {"fused": 2, "T": 8192}),           # 15.06 of v4's 16 MiB
+    # the fused kernel's spill slots (BACKWARD_SPILL_TILES["fused"]) at 2048², non-causal (its
+    # largest need): 7x's 48 MiB limit, and every option that adds a tile
+    ("7x", 2048, 2048, {"fused": 1, "T": 8192, "causal": False}),
+    ("v5e", 2048, 2048, {"fused": 1, "T": 4096, "causal": False, "soft_cap": True,
+                         "mask": True, "segments": True}),
 ]
 
 
 @needs_libtpu
 @pytest.mark.tpu_compile
 @pytest.mark.parametrize("chip, bq, bk, opts", _ESTIMATE_CASES,
-                         ids=[f"{c}-{q}x{k}-" + ("-".join(f"{n}{v}" if n in ("T", "fused")
-                                                           else n for n, v in o.items())
-                                                           or "plain")
+                         ids=[f"{c}-{q}x{k}-" + ("-".join(
+                             f"{n}{v}" if n in ("T", "fused", "causal") else n
+                             for n, v in o.items()) or "plain")
                               for c, q, k, o in _ESTIMATE_CASES])
 def test_the_backward_vmem_estimate_bounds_what_mosaic_allocates(monkeypatch, chip, bq, bk,
                                                                     opts):
@@ -256,7 +262,7 @@ def test_the_backward_vmem_estimate_bounds_what_mosaic_allocates(monkeypatch, ch
 
     def f(*a):
         q, k, v, spec = validate(a[0], a[1], a[2], **{n: a[i] for n, i in extra.items()},
-                                 is_causal=True,
+                                 is_causal=opts.get("causal", True),
                                  logits_soft_cap=30.0 if opts.get("soft_cap") else None)
         cfg, chunks = backward_grid.resolve_backward(
             spec, "fused" if opts.get("fused") else "split", block_q=bq, block_k=bk, chip=chip)

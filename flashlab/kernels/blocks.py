@@ -57,10 +57,15 @@ DEFAULT_SCOPED_VMEM_BYTES = 16 << 20
 #: tiles: the VMEM a kernel needs beyond its pipelined blocks and scratch. Measured with
 #: libtpu 0.0.50.1 by compiling at a falling ``vmem_limit_bytes`` until it fails (v4 and v5e,
 #: blocks 512x512 to 1024x1024, with and without bias, segment ids, causal): dQ 1.0-1.2 tiles,
-#: dK/dV 1.9-2.0; a soft cap adds 0.7-0.9 (its tanh tile). Rounded up here, so the estimate
-#: stays an upper bound: tests/test_tpu_compile.py compiles the backward with its limit set to
-#: the estimate (v4 1024x1024 plain and with segment ids, soft cap + bias, a mask, fused).
-BACKWARD_SPILL_TILES = {"dq": 1.5, "dkdv": 2.25}
+#: dK/dV 1.9-2.0; a soft cap adds 0.7-0.9 (its tanh tile). The fused kernel (dK/dV and dQ in
+#: one), measured the same way with libtpu 0.0.50.1 on all five chips (non-causal, its largest
+#: need; 1024x1024, 2048x1024, 2048x2048; B=2 T=8192 N=16 d=128 bf16): 1.5-1.72 tiles in all,
+#: less than the split's dK/dV (38.06 MiB on 7x at 2048², 39.55 on v5p). Its old charge, the
+#: dK/dV's plus a tile for the third matmul (3.25), kept 2048² off v5p and 7x (64 MiB against
+#: their 48 MiB limit). Rounded up here, so the estimate stays an upper bound:
+#: tests/test_tpu_compile.py compiles the backward with its limit set to the estimate (v4
+#: 1024x1024 plain and with segment ids, soft cap + bias, a mask; fused on v4, v5e and 7x).
+BACKWARD_SPILL_TILES = {"dq": 1.5, "dkdv": 2.25, "fused": 2.0}
 #: The forward kernel's spill slots, in float32 ``[B_r, B_c]`` tiles, measured the same way
 #: (v4 and v5e, blocks 512x512 to 2048x2048, bf16 and float32, head_dim 128 and 256, each
 #: option alone and together): 1.1-1.2 tiles on v4 (0.2-0.6 on v5e) plus a float32
@@ -295,8 +300,8 @@ def backward_vmem_bytes(block_q: int, block_k: int, head_dim: int, dtype, *,
     ``[group, T, d]``, in one buffer, :func:`backward_grid.dkdv_grid_spec`; in ``q_chunks``
     chunks, ``[group, T / q_chunks, d]``, and dK, dV are then float32 partials). Scratch counts
     once: the float32 accumulators (dQ; dK and dV). On top: Mosaic's spill slots, :data:`BACKWARD_SPILL_TILES`
-    float32 ``[B_r, B_c]`` tiles, one more with a soft cap (its tanh) or a mask (widened,
-    compared), one more for the fused kernel's third matmul. head dims are lane-padded.
+    float32 ``[B_r, B_c]`` tiles (the fused kernel's own count), one more with a soft cap (its
+    tanh) or a mask (widened, compared). head dims are lane-padded.
     """
     e = jnp.dtype(dtype).itemsize
     d, dv = lane_pad(head_dim), lane_pad(head_dim_v or head_dim)
@@ -320,8 +325,9 @@ def backward_vmem_bytes(block_q: int, block_k: int, head_dim: int, dtype, *,
         resident = group * round_up(q_len or block_q, block_q) // q_chunks * d * 4
     dq = (buffers * dq_blocks + block_q * d * 4
           + int((BACKWARD_SPILL_TILES["dq"] + extra_tiles) * tile))
+    spill = BACKWARD_SPILL_TILES["fused" if fused else "dkdv"]
     dkdv = (buffers * dkdv_blocks + resident + block_k * (d + dv) * 4
-            + int((BACKWARD_SPILL_TILES["dkdv"] + extra_tiles + int(bool(fused))) * tile))
+            + int((spill + extra_tiles) * tile))
     return max(dkdv, dq)
 
 
