@@ -11,6 +11,8 @@ oracle sees the bf16-rounded inputs and the bound is 5e-2 (P and dS
 are rounded to bf16 before their matmuls, as on the MXU, and the gradients come out in
 bf16; observed ~1e-2).
 """
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -235,6 +237,94 @@ def test_fused_backward_runs_diagonal_tiles_as_strips(monkeypatch, visit, chunks
     _assert_matches_oracle(got, q, k, v, dout, {"is_causal": True})
     if interpret == "tpu":
         assert compat.races_found() is False
+
+
+@pytest.mark.parametrize("visit,interpret,T,bq,bk", [
+    (True, "generic", 1024, 256, 256), (False, "generic", 768, 256, 256),
+    (True, "generic", 768, 256, 256), (False, "generic", 1024, 256, 512),
+    (True, "generic", 1024, 512, 256), (True, "tpu", 1024, 256, 512)],
+    ids=["folded", "dense", "visit", "kv-twice-q", "q-twice-kv", "tpu-interpret"])
+def test_fused_backward_first_visit_writes_dk_dv(monkeypatch, visit, interpret, T, bq, bk):
+    """With one query head per kv head, whole lengths and dQ whole, the first tile that sees
+    a kv block is the crossed one at ``d >= 0``: its strips write dK, dV (rows no strip
+    reaches, where B_c > B_r, are zeroed there) and no step zeroes the accumulators. On the
+    folded grid (an even number of kv blocks), else on the dense and the visit grids; the
+    float64 oracle's gradients, in TPU interpret mode too (race detector on)."""
+    from flashlab.kernels import backward, diagonal
+    monkeypatch.setattr(diagonal, "MIN_BLOCK_K", 256)
+    monkeypatch.setattr(diagonal, "MIN_BLOCK_Q", 256)
+    monkeypatch.setattr(diagonal, "STRIP_ROWS", {})               # 128 rows everywhere
+    q, k, v, dout, (q_, k_, v_, spec, out, lse) = _causal_case(31, 1, T, 2, 2, 64, 256)
+    cfg = make_backward_config(spec, block_q=bq, block_k=bk, visit_grid=visit)
+    assert diagonal.writes_first(cfg, 1) and not diagonal.writes_first(cfg, 2)
+    assert diagonal.folds(cfg, 1) == (cfg.num_kv_blocks % 2 == 0)   # folded: any visit_grid
+    assert diagonal.uncovered(dict(diagonal.cases(cfg))[0], bk) == (
+        ((bq, bk),) if bk > bq else ())
+    mode = device.tpu_interpret_params() if interpret == "tpu" else True
+    got = backward._backward(q_, k_, v_, spec, out, lse, jnp.asarray(dout), cfg=cfg,
+                             interpret=mode, fused=1)[:3]
+    _assert_matches_oracle(got, q, k, v, dout, {"is_causal": True})
+    if interpret == "tpu":
+        assert compat.races_found() is False
+
+
+def test_first_visit_writes_only_where_every_kv_row_is_first_seen_on_the_diagonal():
+    """GQA (G query heads each visit a kv block first), padding or run-time lengths (the
+    crossed tile may skip), dQ in chunks, kv longer than q, or no strips: the accumulators
+    are zeroed as before."""
+    from flashlab.kernels import diagonal
+
+    def cfg_of(T=2048, S=None, N=1, K=1, block=512, lengths=False):
+        x = jax.ShapeDtypeStruct((1, T, N, 64), jnp.bfloat16)
+        y = jax.ShapeDtypeStruct((1, S or T, K, 64), jnp.bfloat16)
+        n = jax.ShapeDtypeStruct((1,), jnp.int32)
+        spec = jax.eval_shape(lambda q, k, v, n: validate(
+            q, k, v, None, None, is_causal=True, query_seq_lengths=n if lengths else None)[3],
+            x, y, y, n)
+        return make_backward_config(spec, block_q=block, block_k=block, chip="v5e")
+    assert diagonal.writes_first(cfg_of(), 1)
+    assert not diagonal.writes_first(cfg_of(), 2)                       # dQ in chunks
+    assert not diagonal.writes_first(cfg_of(N=2), 1)                    # G = 2
+    assert not diagonal.writes_first(cfg_of(T=2000), 1)                 # kv padding
+    assert not diagonal.writes_first(cfg_of(S=4096), 1)                 # kv longer than q
+    assert not diagonal.writes_first(cfg_of(block=256), 1)              # no strips
+    assert not diagonal.writes_first(cfg_of(lengths=True), 1)           # run-time lengths
+    pieces = (diagonal.Piece(0, 128, 0, 256, True), diagonal.Piece(256, 384, 0, 256, True))
+    assert diagonal.uncovered(pieces, 512) == ((128, 256), (384, 512))
+
+
+@pytest.mark.parametrize("T,bq,bk", [(2048, 512, 512), (4096, 512, 1024), (4096, 1024, 512),
+                                     (8192, 2048, 2048)])
+def test_the_folded_grid_runs_every_visible_tile_once_and_nothing_else(T, bq, bk):
+    """Folded row ``p`` holds kv block ``p`` then kv block ``T_c − 1 − p``, each from its
+    crossed q block to the last: replayed on ints, the steps are exactly the causal visible
+    tiles, each once, with one first and one last visit per kv block, in order; and the
+    fused kernel's grid is ``(B, K, T_c / 2, R)`` with no empty step."""
+    from flashlab.kernels import diagonal
+    from flashlab.kernels.backward_grid import dkdv_grid_spec
+    x = jax.ShapeDtypeStruct((2, T, 3, 64), jnp.bfloat16)
+    spec = jax.eval_shape(lambda q, k, v: validate(q, k, v, None, None, is_causal=True)[3],
+                          x, x, x)
+    cfg = make_backward_config(spec, block_q=bq, block_k=bk, chip="v5e", fused=True)
+    assert diagonal.folds(cfg, 1) and not diagonal.folds(cfg, 2)
+    nk, nq, R = cfg.num_kv_blocks, cfg.num_q_blocks, diagonal.fold_length(cfg)
+    seen, firsts, lasts = [], [], []
+    for p in range(nk // 2):
+        for s in range(R):
+            j, i, first, last = diagonal.fold_step(cfg, p, s)
+            seen.append((int(j), int(i)))
+            firsts += [int(j)] * bool(first)
+            lasts += [int(j)] * bool(last)
+    visible = [(j, i) for j in range(nk) for i in range(nq)
+               if (i + 1) * bq - 1 >= j * bk]                       # some q >= some k
+    assert sorted(seen) == sorted(visible) and len(seen) == len(set(seen))
+    assert sorted(firsts) == sorted(lasts) == list(range(nk))
+    for j in range(nk):                             # a kv block's visits are consecutive
+        at = [t for t, (jj, _) in enumerate(seen) if jj == j]
+        assert at == list(range(at[0], at[0] + len(at)))
+    gs = dkdv_grid_spec(cfg, fused=1)
+    assert gs.grid == (2, 3, nk // 2, R) and gs.visit_rows is None
+    assert math.prod(gs.grid) == 2 * 3 * len(visible)
 
 
 def test_diagonal_strips_cut_the_staircase():

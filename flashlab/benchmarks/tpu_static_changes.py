@@ -19,7 +19,8 @@ def stored_before(name: str) -> dict:
     diagonal tiles as 2 x 2 sub-tiles, before the kv strips), ``"grid_step_before"`` (the
     forward and the fused backward with Mosaic's DMA bounds checks and the packed visit list),
     ``"forward_strips_before"`` (the forward with its crossed tiles whole and the finalize's
-    empty-row test; chapter 05 sets these against a run with
+    empty-row test), ``"backward_fold_before"`` (the fused backward before its folded grid and
+    first-visit write; chapter 05 and 07 set these against a run with
     :func:`tpu_static_report.before_after_table`)."""
     return json.loads((DATA / f"{name}.json").read_text())
 

@@ -62,10 +62,11 @@ from flashlab.kernels import forward as fwd
 from flashlab.kernels import forward_grid
 from flashlab.kernels import visit
 from flashlab.compat.pallas import pl
+from flashlab.kernels.backward_cost import cost_estimate
 from flashlab.kernels.backward_tile import tile as _tile
 from flashlab.kernels.refs import RefNames, Window, name_refs
 from flashlab.kernels.backward_grid import (
-    BackwardGridSpec, _dbias_order, _full_bias, dbias_config, _q_range, dbias_grid_spec, dkdv_grid_spec, dq_grid_spec, resolve_backward, cost_estimate, chunk_of_block, D_ROW, LOG2E, LSE_ROW, ForwardConfig)
+    BackwardGridSpec, _dbias_order, _full_bias, dbias_config, _q_range, dbias_grid_spec, dkdv_grid_spec, dq_grid_spec, resolve_backward, chunk_of_block, D_ROW, LOG2E, LSE_ROW, ForwardConfig)
 
 __all__ = ["flash_attention_backward", "EARLY_DV"]
 
@@ -97,7 +98,8 @@ def _dkdv_kernel(*refs, cfg: ForwardConfig, names: RefNames, fused: int = 0):
     chunked = fused > 1
     per = cfg.num_q_blocks // max(fused, 1)          # q blocks per chunk
     on_visits = "visits" in ins
-    g = pl.program_id(4 if chunked and not on_visits else 3)
+    folded = not on_visits and diagonal.folds(cfg, fused)    # (b, hk, p, s): no g axis
+    g = 0 if folded else pl.program_id(4 if chunked and not on_visits else 3)
     last_g = cfg.group_size - 1
     chunk = 0
     if on_visits:               # (j, i) from the transposed visit list; the G heads innermost
@@ -111,12 +113,18 @@ def _dkdv_kernel(*refs, cfg: ForwardConfig, names: RefNames, fused: int = 0):
         i = chunk * per + i_local
         first_i, last_i, run, ranged = i_local == 0, i_local == per - 1, None, True
         opens = functools.reduce(jnp.logical_and, [pl.program_id(a) == 0 for a in (3, 4, 5)])
+    elif folded:                # kv blocks p and T_c - 1 - p on one row: every step visible
+        j, i, first_i, last_i = diagonal.fold_step(cfg, pl.program_id(2), pl.program_id(3))
+        # always true, kept as a branch: the tile and the diagonal's cases then sit in one
+        # region beside init and finalize, as on the other grids, where the static schedule's
+        # reader (tpu_schedule.analyze) tells them apart; it costs the step a compare
+        run, ranged = pl.program_id(3) < diagonal.fold_length(cfg), False
     else:
         j, i = pl.program_id(2), pl.program_id(4)
         first_i, last_i, run, ranged = i == 0, i == cfg.num_q_blocks - 1, None, True
     if fused == 1:              # the (b, hk)'s first step
         opens = functools.reduce(jnp.logical_and, [
-            pl.program_id(a) == 0 for a in range(2, 4 if on_visits else 5)])
+            pl.program_id(a) == 0 for a in range(2, 4 if on_visits or folded else 5)])
     first = jnp.logical_and(first_i, g == 0)
     last = jnp.logical_and(last_i, g == last_g)
     if ranged:          # exactly the index map's unclamped steps (visit grid: run-time lengths)
@@ -124,21 +132,23 @@ def _dkdv_kernel(*refs, cfg: ForwardConfig, names: RefNames, fused: int = 0):
         in_range = jnp.logical_and(lo <= i, i <= hi)
         run = in_range if run is None else jnp.logical_and(run, in_range)
 
-    @pl.when(first)
-    def _init():
-        dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
-        dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
+    writes = diagonal.writes_first(cfg, fused)   # the first (crossed) visit writes dK, dV
+    if not writes:
+        @pl.when(first)
+        def _init():
+            dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
+            dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
 
     if fused:          # the chunk's first step: its G heads' dQ [G, T / n, d] start at zero
         @pl.when(opens)
         def _zero_dq():
             dq_ref[...] = jnp.zeros(dq_ref.shape, jnp.float32)
 
-    def step(piece=None):
+    def step(piece=None, write=False):
         starts = forward_grid.global_starts(offsets_ref, i * cfg.block_q, j * cfg.block_k,
                                             q_len, kv_len)
         dq_row = ((i - chunk * per) if chunked else i) * cfg.block_q  # q block i's dq rows
-        _dkdv_tile(ins, cfg, starts, dq_row if fused else None, g, piece)
+        _dkdv_tile(ins, cfg, starts, dq_row if fused else None, g, piece, write)
 
     if fused and diagonal.applies(cfg):
         # A tile the causal diagonal crosses runs as its kv strips, each from the first query
@@ -148,10 +158,15 @@ def _dkdv_kernel(*refs, cfg: ForwardConfig, names: RefNames, fused: int = 0):
         @pl.when(run)
         def _visible():
             for dc, pieces in diagonal.cases(cfg):
+                write = writes and diagonal.first_visit(dc)
+
                 @pl.when(d == dc)
-                def _staircase(pieces=pieces):
+                def _staircase(pieces=pieces, write=write):
+                    for lo, hi in diagonal.uncovered(pieces, cfg.block_k) if write else ():
+                        dk_acc[lo:hi, :] = jnp.zeros((hi - lo, dk_acc.shape[1]), jnp.float32)
+                        dv_acc[lo:hi, :] = jnp.zeros((hi - lo, dv_acc.shape[1]), jnp.float32)
                     for piece in pieces:
-                        step(piece)
+                        step(piece, write)
             pl.when(jnp.logical_not(diagonal.crossing(cfg, d)))(step)
     else:
         pl.when(run)(step)
@@ -162,12 +177,13 @@ def _dkdv_kernel(*refs, cfg: ForwardConfig, names: RefNames, fused: int = 0):
         dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
 
 
-def _dkdv_tile(ins, cfg: ForwardConfig, starts, dq_row, g, piece=None):
+def _dkdv_tile(ins, cfg: ForwardConfig, starts, dq_row, g, piece=None, write=False):
     """One dK/dV step's tile: ``dV_j += P_ijᵀ dO_i``, ``dK_j += dS'_ijᵀ Q_i`` into the
     accumulators, and with ``dq_row`` (the fused kernel: q block i's first row in its dQ
     block) ``dQ_i += dS'_ij K_j`` into head ``g``'s rows. ``piece``
     (:class:`diagonal.Piece`): only kv rows ``[k_lo, k_hi)`` by queries ``[q_lo, q_hi)`` of
-    it, ``[k_hi − k_lo, q_hi − q_lo]``, masked only where ``piece.masked``."""
+    it, ``[k_hi − k_lo, q_hi − q_lo]``, masked only where ``piece.masked``. ``write``: the kv
+    block's first visit (:func:`diagonal.writes_first`): ``dV_j =``, ``dK_j =``."""
     dk_acc, dv_acc = ins["dk_acc"], ins["dv_acc"]
     acc, view, tcfg, k0, q0 = (...), ins, cfg, 0, 0
     if piece is not None:               # the piece's rows of K, V and of Q, dO, stats_t
@@ -181,9 +197,12 @@ def _dkdv_tile(ins, cfg: ForwardConfig, starts, dq_row, g, piece=None):
         tcfg = dataclasses.replace(cfg, block_q=nq, block_k=nk,
                                    is_causal=cfg.is_causal and not unmasked)
 
+    def into(ref, value):                                          # ref[acc] (+)= value
+        ref[acc] = value if write else ref[acc] + value
+
     def add_dv(p_t):                                               # dV_j += P_ijᵀ dO_i
         do = view["do"][...]
-        dv_acc[acc] += jnp.dot(p_t.astype(do.dtype), do, preferred_element_type=jnp.float32)
+        into(dv_acc, jnp.dot(p_t.astype(do.dtype), do, preferred_element_type=jnp.float32))
     early = (cfg.chip, cfg.masks_tile) in EARLY_DV
     if piece is not None:
         starts = (starts[0] + q0, starts[1] + k0, *starts[2:])
@@ -192,7 +211,7 @@ def _dkdv_tile(ins, cfg: ForwardConfig, starts, dq_row, g, piece=None):
     q = view["q"][...]
     if not early:
         add_dv(p_t)
-    dk_acc[acc] += jnp.dot(ds_t.astype(q.dtype), q, preferred_element_type=jnp.float32)
+    into(dk_acc, jnp.dot(ds_t.astype(q.dtype), q, preferred_element_type=jnp.float32))
     if dq_row is not None:                             # dQ_i += dS'ᵀᵀ K_j: [B_r, d]
         rows = pl.ds(pl.multiple_of(dq_row + q0, math.gcd(cfg.block_q, q0)), tcfg.block_q)
         ins["dq"][g, rows, :] += jax.lax.dot_general(

@@ -18,10 +18,10 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from flashlab.compat import pallas as compat
 from flashlab.kernels import blocks as blk
+from flashlab.kernels import diagonal
 from flashlab.kernels import forward_grid
 from flashlab.kernels import forward_config
 from flashlab.kernels import visit
@@ -32,7 +32,7 @@ from flashlab.kernels.backward_config import (  # noqa: F401  (re-exported: one 
 from flashlab.ladder import online_softmax
 
 
-__all__ = ["BACKWARDS", "MAX_DQ_CHUNKS", "dq_chunks", "resolve_backward", "ForwardConfig", "LSE_ROW", "D_ROW", "LOG2E", "BackwardGridSpec", "STATS_LANES", "backward_grid_specs", "dbias_config", "dbias_grid_spec", "dkdv_grid_spec", "dq_grid_spec", "make_backward_config", "prefetch_names", "cost_estimate", "chunk_of_block"]
+__all__ = ["BACKWARDS", "MAX_DQ_CHUNKS", "dq_chunks", "resolve_backward", "ForwardConfig", "LSE_ROW", "D_ROW", "LOG2E", "BackwardGridSpec", "STATS_LANES", "backward_grid_specs", "dbias_config", "dbias_grid_spec", "dkdv_grid_spec", "dq_grid_spec", "make_backward_config", "prefetch_names", "chunk_of_block"]
 
 ForwardConfig = forward_config.ForwardConfig
 # The dQ kernel's statistics ``stats [B, N, T, 256]`` float32: lse in lanes [0, 128), D_i in
@@ -152,7 +152,8 @@ def dkdv_grid_spec(cfg: ForwardConfig, fused: int = 0) -> BackwardGridSpec:
     On the visit grid (:func:`_on_visit_grid`) it is ``(b, hk, t, g)``: step ``t`` reads
     ``(j, i)`` from the transposed visit list (rows are kv blocks), and the ``G`` query heads
     sharing kv head ``hk`` run innermost, so dK_j, dV_j still accumulate over every (g, i)
-    before the row's last visit writes them. Only ``b`` and ``hk`` are parallel.
+    before the row's last visit writes them. Only ``b`` and ``hk`` are parallel. A plain
+    causal MHA's fused kernel runs on the folded grid ``(b, hk, p, s)`` (:func:`diagonal.folds`).
 
     ``fused`` (an int ``n ≥ 1``, or True for 1): the fused backward, one kernel for dQ, dK and
     dV. Its float32 output ``dq [B, N, T, d]`` (unscaled) is read in blocks ``[G, T / n, d]``,
@@ -170,7 +171,8 @@ def dkdv_grid_spec(cfg: ForwardConfig, fused: int = 0) -> BackwardGridSpec:
     G = cfg.group_size
     bk = cfg.block_k
     Sp, Dp, Dvp = cfg.kv_len_p, cfg.head_dim_p, cfg.head_dim_v_p
-    on_visits = _on_visit_grid(cfg, transposed=True, q_chunks=max(n, 1))
+    folded = diagonal.folds(cfg, n)         # (b, hk, p, s): no empty step, no visit list
+    on_visits = not folded and _on_visit_grid(cfg, transposed=True, q_chunks=max(n, 1))
     clamp = cfg.mask_q_len or cfg.mask_kv_len
     per = cfg.num_q_blocks // max(n, 1)                  # q blocks per chunk
 
@@ -191,6 +193,10 @@ def dkdv_grid_spec(cfg: ForwardConfig, fused: int = 0) -> BackwardGridSpec:
 
         def chunk_of(b, hk, t, *a):
             return chunk_of_block(visit.at(a[-1], t)[1], per)
+    elif folded:                        # (b, hk, p, s): (j, i) by arithmetic, all visible
+        def idx(b, hk, p, s, *_):
+            j, i, _, _ = diagonal.fold_step(cfg, p, s)
+            return b, hk, j, i
     elif n > 1:                         # (b, hk, c, j, g, i): i local to chunk c
         def idx(b, hk, c, j, g, i, q_lengths, kv_lengths, offsets=None):
             return b, hk * G + g, j, q_block(b, j, c * per + i, q_lengths, kv_lengths,
@@ -207,7 +213,7 @@ def dkdv_grid_spec(cfg: ForwardConfig, fused: int = 0) -> BackwardGridSpec:
         return (b, h, i, 0)
 
     def kv_block(*a):                   # j: the grid's, or the row of visits[t] (no clamp)
-        return a[-1][a[2]] if on_visits else a[3 if n > 1 else 2]   # the rows plane: j
+        return idx(*a)[2] if folded else a[-1][a[2]] if on_visits else a[3 if n > 1 else 2]
 
     def kv_map(*a):                                          # K_j, V_j, dK_j, dV_j
         return (a[0], a[1], kv_block(*a), 0)
@@ -251,6 +257,9 @@ def dkdv_grid_spec(cfg: ForwardConfig, fused: int = 0) -> BackwardGridSpec:
     scratch = (compat.VMEM((bk, Dp), jnp.float32), compat.VMEM((bk, Dvp), jnp.float32))
     if on_visits:
         grid = (B, K, nv, G)
+        dims = ("parallel", "parallel", "arbitrary", "arbitrary")
+    elif folded:
+        grid = (B, K, cfg.num_kv_blocks // 2, diagonal.fold_length(cfg))
         dims = ("parallel", "parallel", "arbitrary", "arbitrary")
     elif n > 1:
         grid = (B, K, n, cfg.num_kv_blocks, G, per)
@@ -380,36 +389,3 @@ def dbias_grid_spec(cfg: ForwardConfig) -> BackwardGridSpec:
         out_shapes=(jax.ShapeDtypeStruct(bias_shape, jnp.float32),), scratch_shapes=(),
         dimension_semantics=("parallel",) * (4 - n_bc) + ("arbitrary",) * n_bc,
         name="flashlab_flash_backward_dbias", prefetch_names=prefetch_names(cfg))
-
-
-def cost_estimate(gs: BackwardGridSpec, kernel: str):
-    """The ``pl.CostEstimate`` of one backward kernel (``kernel``: "dkdv", "dq" or "dbias"):
-    FLOPs, exps and HBM bytes counting only the computed tiles (static skipping)."""
-    cfg = gs.config
-    bh = cfg.batch * cfg.num_heads
-    pairs = bh * cfg.computed_pairs()
-    tile = cfg.block_q * cfg.block_k
-    d, dv = cfg.head_dim_p, cfg.head_dim_v_p
-    # dK/dV: S, dP, dV, dK (4 matmuls); dQ: S, dP, dQ (3); dBias: S, dP (2)
-    flops = 2 * pairs * tile * {"dkdv": 2 * d + 2 * dv, "dq": 2 * d + dv, "dbias": d + dv}[kernel]
-    if kernel == "dkdv" and "dq" in gs.out_names:   # the fused option's fifth matmul
-        flops += 2 * pairs * tile * d
-    exps = pairs * tile * (2 if cfg.soft_cap is not None else 1)
-
-    block_bytes = gs.block_bytes
-    fixed = {"dkdv": ("k", "v", "dk", "dv"), "dbias": (),
-             "dq": ("q", "do", "stats", "q_segment_ids", "dq")}[kernel]
-    outer = (cfg.batch * cfg.num_kv_heads * cfg.num_kv_blocks * gs.q_chunks if kernel == "dkdv"
-             else bh * cfg.num_q_blocks)
-    nbytes = 0
-    for name in gs.in_names + gs.out_names:
-        if name in fixed:
-            nbytes += outer * block_bytes(name)
-        elif name == "dq" and kernel == "dkdv":      # fused: written once per (b, hk, chunk)
-            nbytes += cfg.batch * cfg.num_kv_heads * gs.q_chunks * block_bytes(name)
-        elif name in ("ds", "dbias"):
-            nbytes += int(np.prod(gs.shape(name).shape)) * 4
-        else:
-            nbytes += pairs * block_bytes(name)
-    return compat.CostEstimate(flops=int(flops), transcendentals=int(exps),
-                               bytes_accessed=int(nbytes))

@@ -31,11 +31,17 @@ import dataclasses
 import functools
 import os
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+
 from flashlab.contract import masks
+from flashlab.kernels.block_ranges import div_nonneg
 from flashlab.kernels.forward_config import ForwardConfig
 
 __all__ = ["Piece", "STRIP_ROWS", "MIN_BLOCK_K", "MIN_BLOCK_Q", "FORWARD_STRIP_ROWS",
-           "FORWARD_MIN_BLOCK", "FORWARD_STRIPS",
+           "FORWARD_MIN_BLOCK", "FORWARD_STRIPS", "writes_first", "first_visit", "uncovered",
+           "folds", "fold_length", "fold_step",
            "applies", "strip_rows", "cases", "crossing", "visits", "picture",
            "forward_strip_rows", "forward_applies", "forward_cases", "forward_visits"]
 
@@ -59,6 +65,99 @@ class Piece:
     q_lo: int
     q_hi: int
     masked: bool
+
+
+def writes_first(cfg: ForwardConfig, fused: int) -> bool:
+    """Whether the fused backward's first visit of each kv block *writes* dK, dV (``=``)
+    instead of adding to accumulators zeroed at an init step (:func:`first_visit`).
+
+    Under :func:`applies`, the first q block that sees kv block ``j`` is the crossed tile at
+    ``d = k_start − q_start ≥ 0``: the q block before it ends before ``k_start``. So every kv
+    row is written there (or zeroed there, if that tile's pieces do not reach it) before any
+    later tile adds to it, and the per-row zeroing (2·B_c·d float32 stores) goes. It holds
+    for the whole dQ only (chunks restart dK, dV per chunk at full tiles), one query head per
+    kv head (G heads would each visit it first), no run-time or padding lengths (the crossed
+    tile could then skip) and ``kv_len ≤ q_len`` (every kv block is seen by some query)."""
+    return (int(fused) == 1 and applies(cfg) and cfg.group_size == 1 and not cfg.mask_q_len
+            and not cfg.mask_kv_len and cfg.kv_len <= cfg.q_len)
+
+
+def _row_tiles(cfg: ForwardConfig) -> list[int]:
+    """Per kv block ``j``, the q blocks that see it under :func:`writes_first`'s conditions:
+    from the crossed one, ``⌊j·B_c / B_r⌋``, to the last."""
+    return [cfg.num_q_blocks - j * cfg.block_k // cfg.block_q for j in range(cfg.num_kv_blocks)]
+
+
+def folds(cfg: ForwardConfig, fused: int) -> bool:
+    """Whether the fused backward runs on the **folded grid** ``(b, hk, p, s)``: kv blocks
+    ``p`` and ``T_c − 1 − p`` share grid row ``p``, one after the other, so that a causal
+    grid has no empty step and needs no visit list (:func:`fold_step`).
+
+    Kv block ``j`` is seen by ``n_j = T_r − ⌊j·B_c / B_r⌋`` q blocks, linear in ``j``: so
+    ``n_p + n_{T_c−1−p}`` is one length ``R`` for every pair and the ``T_c / 2`` rows of ``R``
+    steps hold exactly the visible tiles (at T = 2048, 512²: 320 steps where the dense grid
+    has 512). The step finds its ``(j, i)`` by a compare and a few adds, where the visit grid
+    loads them from SMEM (and spills its scalars: 323 cycles a step on v5e against the dense
+    grid's 194). Under :func:`writes_first`'s conditions (one query head per kv head: the
+    grid has no ``g`` axis) and an even ``T_c``."""
+    if not writes_first(cfg, fused) or cfg.num_kv_blocks % 2:
+        return False
+    n, nk = _row_tiles(cfg), cfg.num_kv_blocks
+    return len({n[p] + n[nk - 1 - p] for p in range(nk // 2)}) == 1
+
+
+def fold_length(cfg: ForwardConfig) -> int:
+    """``R``: the steps of one folded grid row (:func:`folds`)."""
+    n = _row_tiles(cfg)
+    return n[0] + n[-1]
+
+
+def fold_step(cfg: ForwardConfig, p, s):
+    """``(j, i, first, last)`` of folded step ``(p, s)`` (traced or ints): the kv block and
+    q block, and whether it is that kv block's first or last visit. Steps ``s < n_p`` run kv
+    block ``p`` from its crossed q block on; the rest run kv block ``T_c − 1 − p``."""
+    nq, nk, R = cfg.num_q_blocks, cfg.num_kv_blocks, fold_length(cfg)
+    first_a = _crossed_q_block(cfg, p)                         # kv block p's crossed tile
+    first_b = _crossed_q_block(cfg, nk - 1 - p)                # and its partner's
+    n_a = nq - first_a
+    second = _where(s >= n_a, 1, 0)
+    j = p + second * (nk - 1 - 2 * p)
+    i = first_a + s + second * (first_b - n_a - first_a)
+    return j, i, (s == 0) | (s == n_a), (s == n_a - 1) | (s == R - 1)
+
+
+def _crossed_q_block(cfg: ForwardConfig, j):
+    """``⌊j·B_c / B_r⌋`` by a multiply or a shift where the blocks allow (a scalar divide is
+    a long sequence on the TPU's scalar unit: the folded step cost 537 cycles with it on v5e
+    at 512², 194 without)."""
+    bq, bk = cfg.block_q, cfg.block_k
+    if bk % bq == 0:
+        return j * (bk // bq)
+    m = bq // bk
+    if bq % bk == 0 and m & (m - 1) == 0 and not isinstance(j, (int, np.integer)):
+        return jax.lax.shift_right_logical(j, m.bit_length() - 1)
+    return div_nonneg(j * bk, bq)
+
+
+def _where(c, a, b):
+    """``a if c else b`` on ints or NumPy arrays (the traffic replay) or traced scalars."""
+    return jnp.where(c, a, b) if isinstance(c, jax.Array) else np.where(c, a, b)
+
+
+def first_visit(d: int) -> bool:
+    """Whether the crossed tile at offset ``d`` is its kv block's first visible tile."""
+    return d >= 0
+
+
+def uncovered(pieces: tuple[Piece, ...], block_k: int) -> tuple[tuple[int, int], ...]:
+    """The kv rows ``[lo, hi)`` of a tile that none of ``pieces`` computes (they see no query
+    of the tile), in order."""
+    out, at = [], 0
+    for p in sorted(pieces, key=lambda p: p.k_lo):
+        if p.k_lo > at:
+            out.append((at, p.k_lo))
+        at = max(at, p.k_hi)
+    return tuple(out + ([(at, block_k)] if at < block_k else []))
 
 
 def strip_rows(cfg: ForwardConfig) -> int:
