@@ -268,6 +268,28 @@ def test_fused_backward_first_visit_writes_dk_dv(monkeypatch, visit, interpret, 
         assert compat.races_found() is False
 
 
+def test_folded_grid_with_fewer_keys_than_queries(monkeypatch):
+    """Causal with kv_len < q_len (no padding, top-left aligned): every kv block is still first
+    seen by its crossed tile, so the folded grid and the first-visit write hold; the float64
+    oracle's gradients."""
+    from flashlab.kernels import backward, diagonal
+    monkeypatch.setattr(diagonal, "MIN_BLOCK_K", 256)
+    monkeypatch.setattr(diagonal, "MIN_BLOCK_Q", 256)
+    monkeypatch.setattr(diagonal, "STRIP_ROWS", {})
+    rng = np.random.default_rng(33)
+    q, k, v = random_qkv(rng, 1, 1024, 512, 2, 2, 64)
+    dout = rng.standard_normal((1, 1024, 2, 64)).astype(np.float32)
+    q_, k_, v_, spec = validate(*(jnp.asarray(x) for x in (q, k, v)), None, None,
+                                is_causal=True)
+    out, lse = flash_attention_forward(q_, k_, v_, spec, block_q=256, block_k=256,
+                                       interpret=True)
+    cfg = make_backward_config(spec, block_q=256, block_k=256)
+    assert diagonal.folds(cfg, 1)
+    got = backward._backward(q_, k_, v_, spec, out, lse, jnp.asarray(dout), cfg=cfg,
+                             interpret=True, fused=1)[:3]
+    _assert_matches_oracle(got, q, k, v, dout, {"is_causal": True})
+
+
 def test_first_visit_writes_only_where_every_kv_row_is_first_seen_on_the_diagonal():
     """GQA (G query heads each visit a kv block first), padding or run-time lengths (the
     crossed tile may skip), dQ in chunks, kv longer than q, or no strips: the accumulators

@@ -41,6 +41,10 @@ offsets; ``cfg.visit_grid``), the dQ and dK/dV kernels run over the visible pair
 (:mod:`flashlab.kernels.visit`): the dQ kernel on the forward's visit list ``(b, h, t)``, the
 dK/dV kernel on the transposed one ``(b, hk, t, g)`` (rows are kv blocks). A skipped pair then
 costs no grid step at all: at causal T=8192 with 1024-blocks that is 896 of 2048 steps.
+The fused kernel of a plain causal MHA folds instead (:func:`diagonal.folds`): kv blocks ``p``
+and ``T_c − 1 − p`` share grid row ``p``, so its grid holds the visible tiles exactly with
+``(j, i)`` found by arithmetic, and each kv block's first (crossed) tile writes dK, dV rather
+than adding to zeroed accumulators (:func:`diagonal.writes_first`).
 Otherwise, on the dense grids, skipped steps run with neither compute nor DMA: the dQ kernel
 clamps ``j`` into :func:`blocks.kv_block_range`, the dK/dV kernel clamps ``i`` into
 :func:`blocks.q_block_range`; each kernel's ``pl.when`` tests the same range, so the index
