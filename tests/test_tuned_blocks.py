@@ -110,6 +110,12 @@ def test_tpu_blocks_ranks_every_stored_row(tmp_path, capsys):
     assert e["commit"] == "aaa, bbb, old" and e["command"].startswith(
         "python -m flashlab bench tpu-blocks --runs")
     assert "512x1024 (3 pairs)" in capsys.readouterr().out
+    # a run installed as it came out: its rows carry no commit, its args do
+    runs[1].write_text(json.dumps(dict(versions={"jax": "x"}, args={"commit": "ccc"},
+                                       rows=[{k: v for k, v in r.items() if k != "commit"}
+                                             for r in b])))
+    assert tpu_blocks.main(["--runs", *map(str, runs), "--table", str(table)]) == 0
+    assert tuned_blocks.table(table)[0]["row_commits"] == ["aaa", "ccc", "old"]
     import pytest
     with pytest.raises(SystemExit):
         tpu_blocks.main(["--runs", str(tmp_path / "missing.json")])

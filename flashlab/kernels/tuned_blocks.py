@@ -134,14 +134,17 @@ def entries_from_rows(rows, *, dtype: str, command: str, commit: str, versions: 
 def entries_from_stored(paths, *, command: str, commit: str) -> list:
     """:func:`entries_from_rows` over every row of the stored runs ``paths`` (the JSON that
     ``bench tpu-static --update`` writes), one dtype at a time. Each entry's ``commit`` is
-    the commits its rows were measured at (``row_commits``, joined), ``ranked_at`` the
+    the commits its rows were measured at (``row_commits``, joined; a row without one was
+    measured at its run's ``args.commit``), ``ranked_at`` the
     ``commit`` of this ranking, ``command`` its command, ``versions`` the runs' library
     versions. A pair measured by several rows (its default-blocks row and its sweep row) is
     ranked by the lowest of their estimates."""
     rows, versions = [], {}
     for path in paths:
         doc = json.loads(Path(path).read_text())
-        rows += doc["rows"]
+        run_commit = (doc.get("args") or {}).get("commit")     # a run installed as it came out
+        rows += [r if "commit" in r or not run_commit else dict(r, commit=run_commit)
+                 for r in doc["rows"]]
         versions.update(doc.get("versions") or {})
     out = []
     for dtype in sorted({r.get("dtype", "bfloat16") for r in rows}):
