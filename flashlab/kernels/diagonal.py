@@ -84,8 +84,8 @@ def writes_first(cfg: ForwardConfig, fused: int) -> bool:
 
 def _row_tiles(cfg: ForwardConfig) -> list[int]:
     """Per kv block ``j``, the q blocks that see it under :func:`writes_first`'s conditions:
-    from the crossed one, ``⌊j·B_c / B_r⌋``, to the last."""
-    return [cfg.num_q_blocks - j * cfg.block_k // cfg.block_q for j in range(cfg.num_kv_blocks)]
+    from the crossed one (:func:`_crossed_q_block`) to the last."""
+    return [cfg.num_q_blocks - _crossed_q_block(cfg, j) for j in range(cfg.num_kv_blocks)]
 
 
 def folds(cfg: ForwardConfig, fused: int) -> bool:
