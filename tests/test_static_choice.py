@@ -22,6 +22,7 @@ def test_auto_on_tpu_follows_the_static_table(tmp_path, monkeypatch):
     p.write_text(json.dumps(dict(versions={}, args={}, rows=_rows(
         "v5e", {"flashlab": 9.0, "splash": 6.0, "jax_pallas_flash": 12.0}))))
     monkeypatch.setattr(static_table, "STORED", p)
+    monkeypatch.setattr(static_table, "STORED_SHAPES", ())
     c = registry.choose(_spec(), platform="tpu")
     assert c.backend == "splash"
     assert "splash 6.00 ms" in c.reason and "pallas_tpu 9.00 ms" in c.reason
@@ -32,8 +33,39 @@ def test_auto_on_tpu_without_figures_says_so(tmp_path, monkeypatch):
     p = tmp_path / "tpu_static.json"
     p.write_text(json.dumps(dict(versions={}, args={}, rows=_rows("v6e", {"splash": 1.0}))))
     monkeypatch.setattr(static_table, "STORED", p)
+    monkeypatch.setattr(static_table, "STORED_SHAPES", ())
     c = registry.choose(_spec(), platform="tpu")     # target chip: v5e (no TPU here)
     assert c.backend == "pallas_tpu" and "no static figure for v5e" in c.reason
+
+
+def test_auto_on_tpu_ranks_by_the_run_of_the_nearest_shape_class(tmp_path, monkeypatch):
+    """Each stored run is a shape class: ``auto`` follows the run nearest the request (same
+    causality, then head_dim class, then length on a log scale) and ``explain`` names it."""
+    runs = {}
+    for name, (t, d, causal), ms in [
+            ("main", (8192, 128, True), {"flashlab": 9.0, "splash": 6.0}),
+            ("t2048", (2048, 128, True), {"flashlab": 1.0, "splash": 2.0}),
+            ("noncausal", (8192, 128, False), {"flashlab": 5.0, "jax_pallas_flash": 4.0})]:
+        runs[name] = tmp_path / f"tpu_static_{name}.json"
+        runs[name].write_text(json.dumps(dict(
+            versions={}, args=dict(seq_len=t, head_dim=d, causal=causal, commit=name),
+            rows=_rows("v5e", ms))))
+    monkeypatch.setattr(static_table, "STORED", runs["main"])
+    monkeypatch.setattr(static_table, "STORED_SHAPES", (runs["t2048"], runs["noncausal"]))
+    near = static_table.nearest_run
+    assert near(256, 256, 128, True) == near(2048, 4096, 64, True) == runs["t2048"]
+    assert near(8192, 8192, 64, True) == near(65536, 65536, 128, True) == runs["main"]
+    assert near(2048, 2048, 128, False) == runs["noncausal"]
+
+    def spec(t, causal):
+        return validate(*(jnp.zeros((1, t, 2, 128), jnp.bfloat16),) * 3, is_causal=causal)[3]
+    c = registry.choose(spec(256, True), platform="tpu")
+    assert c.backend == "pallas_tpu" and "tpu_static_t2048.json" in c.reason
+    assert "T=2048" in c.reason and "commit t2048" in c.reason
+    c = registry.choose(spec(16384, True), platform="tpu")
+    assert c.backend == "splash" and "tpu_static_main.json" in c.reason
+    c = registry.choose(spec(256, False), platform="tpu")
+    assert c.backend == "jax_pallas_flash" and "non-causal" in c.reason
 
 
 def test_committed_table_quoted():
@@ -76,10 +108,41 @@ def test_target_table_compares_with_the_better_official_kernel():
     assert "<= 0.9 MISSED" in tpu_static_report.target_table(rows, target=0.9).splitlines()[2]
 
 
+def test_a_training_step_is_the_forward_plus_the_whole_backward_at_each_best():
+    """``step_rows``: at 512² the equal rows summed; at best blocks each kernel's fastest on
+    its own (the forward at one pair, the backward at another), the split's dQ + dK/dV or a
+    fused kernel, whichever is faster; a splash_fused row counts as splash's backward."""
+    def row(lib, kernel, blocks, q, c):
+        return dict(chip="v5e", library=lib, kernel=kernel, blocks=blocks, block_q=q, block_k=q,
+                    est_cycles=c, est_ms=c / 10, tile_cycles=c, step_cycles=1, name=kernel)
+    rows = [row("flashlab", "forward", "equal", 512, 50), row("flashlab", "forward", "sweep",
+                                                               1024, 40),
+            row("flashlab", "fused", "equal", 512, 100), row("flashlab", "fused", "sweep", 2048,
+                                                               70),
+            row("flashlab_split", "dq", "equal", 512, 40),
+            row("flashlab_split", "dkdv", "equal", 512, 50),
+            row("splash", "forward", "equal", 512, 60), row("splash", "dq", "equal", 512, 50),
+            row("splash", "dkdv", "equal", 512, 70), row("splash_fused", "fused", "equal", 512,
+                                                          100)]
+    steps = {(r["library"], r["blocks"]): r for r in tpu_static_report.step_rows(rows)}
+    assert steps["flashlab", "equal"]["est_cycles"] == 50 + 90          # the split is faster
+    best = steps["flashlab", "best"]
+    assert (best["est_cycles"], best["block_q"], best["bwd_blocks"]) == (40 + 70, 1024,
+                                                                         "2048x2048")
+    assert steps["splash", "equal"]["est_cycles"] == 60 + 100          # its fused backward
+    text = tpu_static_report.target_table(list(steps.values()), kernel="step").splitlines()
+    assert "140" not in text[1] and "0.88" in text[1] and "0.69" in text[2]
+    assert "1024x1024+2048x2048" in text[2]
+    other = [dict(r, seq_len=2048, est_cycles=1) for r in rows]       # a second shape
+    steps = tpu_static_report.step_rows(rows + other)
+    assert sorted(r["est_cycles"] for r in steps if r["library"] == "flashlab") == [
+        2, 2, 110, 140]
+
+
 def test_backward_before_after_table_reads_the_stored_rows():
     """The stored BEFORE rows (issue 18's backward changes) join the current tpu_static rows:
     every chip, both kernels, with provenance; the table prints before > after per row."""
-    before = tpu_static_report.stored_backward_before()
+    before = tpu_static_report.stored_before("backward_optimisations")
     assert before["versions"]["libtpu"] and before["command"] and before["changes"]
     assert {(r["chip"], r["kernel"]) for r in before["rows"]} == {
         (c, k) for c in ("v4", "v5e", "v5p", "v6e", "7x") for k in ("dq", "dkdv")}
@@ -104,9 +167,36 @@ def test_a_fused_backward_row_is_the_whole_backward(tmp_path, monkeypatch):
                   est_ms=0.1)]
     p.write_text(json.dumps(dict(versions={}, args={}, rows=rows)))
     monkeypatch.setattr(static_table, "STORED", p)
+    monkeypatch.setattr(static_table, "STORED_SHAPES", ())
     ranked, _ = static_table.static_ranking("v5e")
     assert [(lib, round(ms, 2), k) for lib, ms, k in ranked] == [
         ("flashlab", 5.0, ("forward", "fused")), ("splash", 6.0, static_table.KERNELS),
         ("jax_pallas_flash", 12.0, static_table.KERNELS)]
     c = registry.choose(_spec(), platform="tpu")
     assert c.backend == "pallas_tpu" and "forward+fused" in c.reason
+
+
+def test_each_stored_run_is_one_run_of_the_bench():
+    """Issue 18's tables come from one run each: the main shape's file and each other shape's
+    file are a ``bench tpu-static --json`` output installed as it came out (its commit and
+    command in ``args``, no row measured elsewhere), at the shape its ``args`` name; the
+    other shapes are the issue's (T = 2048 and 32768, d = 64, non-causal), each once."""
+    paths = (static_table.STORED, *static_table.STORED_SHAPES)
+    shapes = set()
+    for p in paths:
+        doc = static_table.stored(p)
+        a = doc["args"]
+        assert a["commit"] and a["command"].startswith("python -m flashlab bench tpu-static")
+        assert "updates" not in doc and not any("commit" in r for r in doc["rows"]), p
+        shape = (a["seq_len"], a["head_dim"], a["causal"])
+        assert {(r["seq_len"], r["head_dim"], r["causal"]) for r in doc["rows"]} == {shape}, p
+        assert {r["library"] for r in doc["rows"]} >= {"flashlab", "splash", "jax_pallas_flash"}
+        assert {r["chip"] for r in doc["rows"]} == {"v4", "v5e", "v5p", "v6e", "7x"}, p
+        shapes.add(shape)
+    assert shapes == {(8192, 128, True), (2048, 128, True), (32768, 128, True),
+                      (8192, 64, True), (8192, 128, False)}
+    both = static_table.stored_shapes()
+    assert [r["path"] for r in both["runs"]] == list(map(str, static_table.STORED_SHAPES))
+    text = tpu_static_report.target_tables_by_shape(both["rows"])
+    for run in both["runs"]:
+        assert f"(commit {run['args']['commit']})" in text

@@ -1,11 +1,11 @@
 """``python -m flashlab bench tpu-blocks``: the default-blocks table from the stored static runs.
 
 ``bench tpu-static --blocks-table`` ranks only the rows of the run it just made. The stored
-runs (``flashlab/data/tpu_static.json`` at the main shape, ``tpu_static_shapes.json`` at the
-others) gather every block pair measured over many runs (``--update`` replaces a row by its
-newer measurement); this command ranks all of flashlab's rows there, per (kernel, chip, shape
-class), and writes the winners to the table :func:`flashlab.kernels.blocks.choose_block_sizes`
-reads (:mod:`flashlab.kernels.tuned_blocks`). It compiles nothing and needs no libtpu.
+runs (``flashlab/data/tpu_static.json`` at the main shape, ``tpu_static_{t2048, t32768, d64,
+noncausal}.json`` at the others, one run each) hold every block pair the sweep measured; this
+command ranks all of flashlab's rows there, per (kernel, chip, shape class), and writes the
+winners to the table :func:`flashlab.kernels.blocks.choose_block_sizes` reads
+(:mod:`flashlab.kernels.tuned_blocks`). It compiles nothing and needs no libtpu.
 Static estimates: no DMA stalls, no HBM bandwidth.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 from flashlab.dispatch import static_table
 from flashlab.kernels import tuned_blocks
 
-STORED = (static_table.STORED, static_table.STORED_SHAPES)     # the main shape, the others
+STORED = (static_table.STORED, *static_table.STORED_SHAPES)    # the main shape, the others
 
 __all__ = ["main", "parser", "STORED"]
 

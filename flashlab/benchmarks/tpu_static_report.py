@@ -12,10 +12,10 @@ from flashlab.benchmarks.tpu_static_changes import (  # noqa: F401
 from flashlab.kernels import tuned_blocks
 
 __all__ = ["LIBRARIES", "MATMULS", "ROLE_LABEL", "TARGETS", "update_rows", "best_blocks",
-           "target_table", "header", "table", "training_step_table", "stored_backward_before",
-           "backward_rows", "OTHERS", "BACKWARD_ROLES", "BACKWARD_VARIANTS",
-           "fused_vs_split_table", "splash_dq_partial_bytes", "before_after_table",
-           "stored_before", "diagonal_cycles", "diagonal_table"]
+           "target_table", "target_tables_by_shape", "shape_of", "header", "table",
+           "training_step_table", "backward_rows", "step_rows", "OTHERS", "BACKWARD_ROLES",
+           "BACKWARD_VARIANTS", "fused_vs_split_table", "splash_dq_partial_bytes",
+           "before_after_table", "stored_before", "diagonal_cycles", "diagonal_table"]
 
 #: Backward variants, measured for the backward only (their forward is their library's):
 #: ``splash_fused``, splash with ``use_fused_bwd_kernel``; ``flashlab_split``, flashlab with
@@ -123,9 +123,9 @@ def target_table(rows, *, kernel: str = "forward", target: float | None = None) 
                 continue
             f, o = pick["flashlab"], min(others, key=lambda r: r["est_cycles"])
             ratio = f["est_cycles"] / o["est_cycles"]
-            desc = lambda r: (f"{r['est_ms']:.2f} ms {r['block_q']}x{r['block_k']}"  # noqa: E731
-                              if r.get("est_ms") is not None
-                              else f"{r['est_cycles']} cyc {r['block_q']}x{r['block_k']}")
+            desc = lambda r: ((f"{r['est_ms']:.2f} ms " if r.get("est_ms") is not None  # noqa
+                               else f"{r['est_cycles']} cyc ") + f"{r['block_q']}x{r['block_k']}"
+                              + (f"+{r['bwd_blocks']}" if "bwd_blocks" in r else ""))
             t = TARGETS.get(chip, 0.9) if target is None else target
             verdict = f"<= {t:.1f} " + ("met" if ratio <= t else "MISSED")
             out.append(f"{chip:4} {mode:6} {desc(f):>18} {o['library'] + ' ' + desc(o):>30} "
@@ -140,11 +140,15 @@ def shape_of(r) -> str:
 
 
 def target_tables_by_shape(rows, *, kernel: str = "forward") -> str:
-    """:func:`target_table` once per shape among ``rows`` (a run stored at several shapes:
-    ``data/tpu_static_shapes.json``), each under its shape."""
+    """:func:`target_table` once per shape among ``rows`` (the runs at the other shapes:
+    :func:`flashlab.dispatch.static_table.stored_shapes`), each under its shape and the
+    commit(s) its rows were measured at."""
     out = []
     for shape in dict.fromkeys(shape_of(r) for r in rows if r.get("kernel") == kernel):
-        out += [shape, target_table([r for r in rows if shape_of(r) == shape], kernel=kernel), ""]
+        mine = [r for r in rows if shape_of(r) == shape]
+        commits = sorted({str(r["commit"]) for r in mine if r.get("commit")})
+        at = f" (commit {', '.join(commits)})" if commits else ""
+        out += [shape + at, target_table(mine, kernel=kernel), ""]
     return "\n".join(out).rstrip()
 
 
@@ -232,6 +236,33 @@ def backward_rows(rows) -> list:
     return out
 
 
+def step_rows(rows) -> list:
+    """One training step's attention per (chip, library, shape), ``kernel="step"``: the
+    forward plus the whole backward (:func:`backward_rows`), both at 512² (``blocks="equal"``)
+    and each at its fastest blocks (``"best"``; ``block_q``/``block_k`` the forward's,
+    ``bwd_blocks`` the backward's), for :func:`target_table` (``kernel="step"``)."""
+    def key(r):                                   # one library on one chip at one shape
+        return tuple(r.get(f) for f in ("chip", "library", "batch", "heads", "seq_len",
+                                        "head_dim", "causal"))
+
+    def pick(rs, k, mode):
+        return min((r for r in rs if key(r) == k and "error" not in r
+                    and r.get("est_cycles") is not None
+                    and (mode == "best" or r["blocks"] == "equal")),
+                   key=lambda r: r["est_cycles"], default=None)
+    fwd, bwd, out = [r for r in rows if r.get("kernel") == "forward"], backward_rows(rows), []
+    for k in dict.fromkeys(map(key, fwd)):
+        for mode in ("equal", "best"):
+            f, b = pick(fwd, k, mode), pick(bwd, k, mode)
+            if f and b:
+                ms = (None if None in (f.get("est_ms"), b.get("est_ms"))
+                      else f["est_ms"] + b["est_ms"])
+                out.append(dict(f, kernel="step", blocks=mode, est_ms=ms,
+                                est_cycles=f["est_cycles"] + b["est_cycles"],
+                                bwd_blocks=f"{b['block_q']}x{b['block_k']}"))
+    return out
+
+
 def backward_pairs(rows) -> dict:
     """``{(chip, library): {(block_q, block_k): backward row}}``: each library's fastest whole
     backward (:func:`backward_rows`, split or fused) per block pair (default, equal and sweep
@@ -308,21 +339,6 @@ def training_step_table(rows, *, blocks="equal") -> str:
         rs = f"{est / ref[0]:.2f}" if ref else "-"
         out.append(f"{chip:4} {lib:17} {est:14.2f} {est / floor:7.2f} {rs:>8}")
     return "\n".join(out)
-
-
-def stored_backward_before(path=None) -> dict:
-    """The stored BEFORE rows of the backward kernels (``data/backward_optimisations.json``:
-    issue 18's backward changes, their provenance and the rows copied from the run before)."""
-    p = Path(path) if path else Path(__file__).parent.parent / "data" / "backward_optimisations.json"
-    return json.loads(p.read_text())
-
-
-def stored_forward_before(path=None) -> dict:
-    """The stored BEFORE rows of the forward kernel (``data/forward_scores_before.json``: the
-    base-2 score path's change, provenance, and flashlab's forward rows from before it, at
-    every stored shape)."""
-    p = Path(path) if path else Path(__file__).parent.parent / "data" / "forward_scores_before.json"
-    return json.loads(p.read_text())
 
 
 def before_after_table(before_rows, after_rows, *, kernels=("dq", "dkdv"),

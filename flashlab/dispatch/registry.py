@@ -204,12 +204,14 @@ _TPU_LIBRARY = {"pallas_tpu": "flashlab", "splash": "splash",
                 "jax_pallas_flash": "jax_pallas_flash"}
 
 
-def _tpu_order_by_static_table(order):
-    """``order`` with the TPU kernels sorted by the stored static estimate for the target chip,
+def _tpu_order_by_static_table(order, spec: AttentionSpec):
+    """``order`` with the TPU kernels sorted by the stored static estimate for the target chip
+    and the request's shape class (the stored run nearest it: ``static_table.nearest_run``),
     and the sentence ``explain`` quotes (the figures it chose on, or why there are none)."""
     from flashlab.kernels import blocks
     chip = blocks.resolve_chip(None)
-    ranked, source = static_table.static_ranking(chip)
+    ranked, source = static_table.static_ranking(
+        chip, shape=(spec.q_len, spec.kv_len, spec.head_dim, spec.is_causal))
     if not ranked:
         return order, f"no static figure for {chip} ({source}): the fixed order"
     lib_to_backend = {v: k for k, v in _TPU_LIBRARY.items()}
@@ -260,7 +262,7 @@ def choose(spec: AttentionSpec, backend: str = "auto", *, interpret=None,
     order = list(_PREFERENCE.get(platform, _PREFERENCE["cpu"]))
     static_note = None
     if platform == "tpu":
-        order, static_note = _tpu_order_by_static_table(order)
+        order, static_note = _tpu_order_by_static_table(order, spec)
     long = spec.q_len * spec.kv_len >= CPU_TILED_MIN_SCORES
     if platform == "cpu" and long:
         order.insert(0, "tiled")

@@ -7,17 +7,22 @@ compiler's static schedule (no DMA stalls, no HBM bandwidth): a ranking, not wal
 """
 from __future__ import annotations
 
+import functools
 import json
+import math
 from pathlib import Path
 
 from flashlab.kernels import tuned_blocks
 
-__all__ = ["STORED", "STORED_SHAPES", "KERNELS", "stored", "static_ranking"]
+__all__ = ["STORED", "STORED_SHAPES", "KERNELS", "stored", "stored_shapes", "nearest_run",
+           "static_ranking"]
 
 STORED = Path(__file__).resolve().parent.parent / "data" / "tpu_static.json"
-#: The forward at issue 18's other shapes (T = 2048 and 32768, d = 64, non-causal), one bench
-#: run per shape: ``stored(STORED_SHAPES)``; rows carry their shape (``tpu_static_report.shape_of``).
-STORED_SHAPES = STORED.parent / "tpu_static_shapes.json"
+#: Issue 18's other shapes (T = 2048 and 32768, d = 64, non-causal): one bench run per shape,
+#: each file a run's ``--json`` output as it came out (the same libraries, kernels and block
+#: pairs as :data:`STORED`). Read them together with :func:`stored_shapes`.
+STORED_SHAPES = tuple(STORED.parent / f"tpu_static_{name}.json"
+                      for name in ("t2048", "t32768", "d64", "noncausal"))
 KERNELS = ("forward", "dq", "dkdv")     # the kernels of one training step's attention
 #: The libraries that are backends (``splash_fused`` and ``flashlab_split``, backward variants
 #: of the bench, are not what the backends run by default).
@@ -33,7 +38,51 @@ def stored(path=None) -> dict:
     return json.loads(p.read_text())
 
 
-def static_ranking(chip: str, *, blocks: str = "default", path=None):
+def stored_shapes(paths=None) -> dict:
+    """The runs at the other shapes (:data:`STORED_SHAPES`) as one: ``{"runs", "rows"}``.
+
+    ``runs`` holds each file's ``{"path", "versions", "args"}``; ``rows`` all their rows, each
+    stamped with its run's ``commit`` and ``versions`` (a run installed as it came out names
+    them once, in its ``args``), so a table over several shapes can say what each was measured
+    on (:func:`flashlab.benchmarks.tpu_static_report.target_tables_by_shape`).
+    """
+    runs, rows = [], []
+    for p in paths or STORED_SHAPES:
+        doc = stored(p)
+        a, v = doc.get("args") or {}, doc.get("versions") or {}
+        runs.append({"path": str(p), "versions": v, "args": a})
+        rows += [dict(r, commit=r.get("commit", a.get("commit")),
+                      versions=r.get("versions", v)) for r in doc["rows"]]
+    return {"runs": runs, "rows": rows}
+
+
+@functools.lru_cache(maxsize=16)
+def _shape_of_run(path: str, mtime_ns: int) -> tuple:
+    a = stored(path).get("args") or {}
+    return a.get("seq_len"), a.get("head_dim"), a.get("causal")
+
+
+def nearest_run(q_len: int, kv_len: int, head_dim: int, causal: bool, paths=None):
+    """The stored run (:data:`STORED` or one of :data:`STORED_SHAPES`) whose shape class is
+    nearest a request's: the same causality first, then the same head_dim class (≤ 64 or
+    128), then the length ``√(q_len·kv_len)`` nearest on a log scale. ``None`` if none is
+    stored."""
+    t = max(math.sqrt(q_len * kv_len), 1.0)
+    best = None
+    for p in paths or (STORED, *STORED_SHAPES):
+        p = Path(p)
+        if not p.exists():
+            continue
+        seq, d, c = _shape_of_run(str(p), p.stat().st_mtime_ns)
+        key = (c is None or bool(c) != bool(causal),
+               d is None or (d <= 64) != (head_dim <= 64),
+               abs(math.log2(t / seq)) if seq else math.inf)
+        if best is None or key < best[0]:
+            best = (key, p)
+    return None if best is None else best[1]
+
+
+def static_ranking(chip: str, *, blocks: str = "default", path=None, shape=None):
     """The libraries ranked by the stored run's whole-kernel estimate on ``chip``, fastest
     first: ``([(library, est_ms, kernels)], source)``, or ``([], why)`` when the run has no
     rows for ``chip``.
@@ -43,7 +92,13 @@ def static_ranking(chip: str, *, blocks: str = "default", path=None):
     default backward is fused), else the forward alone (``kernels`` says which). Default
     blocks: what ``attention(backend=...)`` runs for each library. ``source`` names the file,
     shape, commit and versions the figures come from.
+
+    ``path``: the stored run to read; else, given ``shape=(q_len, kv_len, head_dim,
+    causal)``, the run of the nearest shape class (:func:`nearest_run`); else :data:`STORED`.
     """
+    if path is None and shape is not None:
+        path = nearest_run(*shape)
+    path = Path(path or STORED)
     try:
         doc = stored(path)
     except FileNotFoundError as e:
@@ -54,7 +109,7 @@ def static_ranking(chip: str, *, blocks: str = "default", path=None):
                 and r.get("est_ms") is not None and r["library"] in BACKENDS):
             by.setdefault(r["library"], {})[r["kernel"]] = r["est_ms"]
     if not by:
-        return [], f"the stored static run ({STORED.name}) has no {blocks}-block rows for {chip}"
+        return [], f"the stored static run ({path.name}) has no {blocks}-block rows for {chip}"
 
     def step(k):              # (kernels, est): a fused backward is one kernel for dQ, dK, dV
         parts = tuned_blocks.whole_backward(k)
@@ -67,8 +122,8 @@ def static_ranking(chip: str, *, blocks: str = "default", path=None):
                      for lib, k in by.items() if full or "forward" in k), key=lambda t: t[1])
     a = doc.get("args", {})
     v = doc.get("versions", {})
-    src = (f"{STORED.name}: static schedule, B={a.get('batch')} T={a.get('seq_len')} "
+    src = (f"{path.name}: static schedule, B={a.get('batch')} T={a.get('seq_len')} "
            f"H={a.get('heads')} d={a.get('head_dim')} {a.get('dtype')}"
-           f"{' causal' if a.get('causal') else ''}, jax {v.get('jax')}, libtpu "
-           f"{v.get('libtpu')}")
+           f"{' causal' if a.get('causal') else ' non-causal'}, jax {v.get('jax')}, libtpu "
+           f"{v.get('libtpu')}, commit {a.get('commit')}")
     return ranked, src
