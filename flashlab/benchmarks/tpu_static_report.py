@@ -237,11 +237,13 @@ def backward_rows(rows) -> list:
     return out
 
 
-def step_rows(rows) -> list:
-    """One training step's attention per (chip, library, shape), ``kernel="step"``: the
-    forward plus the whole backward (:func:`backward_rows`), both at 512² (``blocks="equal"``)
-    and each at its fastest blocks (``"best"``; ``block_q``/``block_k`` the forward's,
-    ``bwd_blocks`` the backward's), for :func:`target_table` (``kernel="step"``)."""
+def step_rows(rows, *, modes=("equal", "best")) -> list:
+    """One training step's attention per (chip, library, shape) and mode, ``kernel="step"``:
+    the forward plus the whole backward (:func:`backward_rows`, the faster of split and fused),
+    both at the ``"equal"`` (512²) or ``"default"`` blocks of ``modes``, or each at its fastest
+    blocks (``"best"``; ``block_q``/``block_k`` the forward's, ``bwd_blocks`` the backward's).
+    ``est_ms`` and ``floor_ms`` are the sums (``None`` where a part has none). For
+    :func:`target_table` (``kernel="step"``) and :func:`training_step_table`."""
     def key(r):                                   # one library on one chip at one shape
         return tuple(r.get(f) for f in ("chip", "library", "batch", "heads", "seq_len",
                                         "head_dim", "causal"))
@@ -249,16 +251,18 @@ def step_rows(rows) -> list:
     def pick(rs, k, mode):
         return min((r for r in rs if key(r) == k and "error" not in r
                     and r.get("est_cycles") is not None
-                    and (mode == "best" or r["blocks"] == "equal")),
+                    and (mode == "best" or r["blocks"] == mode)),
                    key=lambda r: r["est_cycles"], default=None)
+
+    def total(f, b, field):
+        return None if None in (f.get(field), b.get(field)) else f[field] + b[field]
     fwd, bwd, out = [r for r in rows if r.get("kernel") == "forward"], backward_rows(rows), []
     for k in dict.fromkeys(map(key, fwd)):
-        for mode in ("equal", "best"):
+        for mode in modes:
             f, b = pick(fwd, k, mode), pick(bwd, k, mode)
             if f and b:
-                ms = (None if None in (f.get("est_ms"), b.get("est_ms"))
-                      else f["est_ms"] + b["est_ms"])
-                out.append(dict(f, kernel="step", blocks=mode, est_ms=ms,
+                out.append(dict(f, kernel="step", blocks=mode, est_ms=total(f, b, "est_ms"),
+                                floor_ms=total(f, b, "floor_ms"),
                                 est_cycles=f["est_cycles"] + b["est_cycles"],
                                 bwd_blocks=f"{b['block_q']}x{b['block_k']}"))
     return out
@@ -308,37 +312,20 @@ def backward_sweep_table(rows) -> str:
 
 def training_step_table(rows, *, blocks="equal") -> str:
     """Forward + whole-backward estimates per chip and library (one training step's
-    attention), with the ratio to splash: what ``auto``'s order on a TPU should follow. The
-    backward is the faster of the library's split and fused ones at those blocks
-    (:func:`backward_pairs`).
+    attention, :func:`step_rows`), against the floor and with the ratio to splash: what
+    ``auto``'s order on a TPU should follow. The backward is the faster of the library's split
+    and fused ones at those blocks.
 
     ``blocks``: ``"equal"`` or ``"default"`` (those rows), or ``"best"``: each library's
     fastest forward blocks plus its fastest backward pair."""
-    fwd_rows = [r for r in rows if r.get("kernel") == "forward"]
-    if blocks == "best":
-        fwd = best_blocks(rows, kernel="forward")
-        picked = [(fwd[c, lib], min(pairs.values(), key=lambda r: r["est_cycles"]))
-                  for (c, lib), pairs in backward_pairs(rows).items() if (c, lib) in fwd]
-    else:
-        fwd = {(r["chip"], r["library"]): r for r in fwd_rows if r.get("blocks") == blocks
-               and "error" not in r}
-        bwd = {}
-        for r in backward_rows(rows):
-            k = (r["chip"], r["library"])
-            if r["blocks"] == blocks and (k not in bwd or r["est_cycles"] < bwd[k]["est_cycles"]):
-                bwd[k] = r
-        picked = [(fwd[k], b) for k, b in bwd.items() if k in fwd]
+    by = {(r["chip"], r["library"]): r for r in step_rows(rows, modes=(blocks,))
+          if r["est_ms"] is not None}
     out = [f"{'chip':4} {'library':17} {'fwd+bwd est ms':>14} {'x floor':>7} {'x splash':>8}"]
-    by = {}
-    for f, b in picked:
-        if f.get("est_ms") is None or b.get("est_ms") is None:
-            continue
-        by[f["chip"], f["library"]] = (f["est_ms"] + b["est_ms"], f["floor_ms"] + b["floor_ms"],
-                                       b["option"])
-    for (chip, lib), (est, floor, option) in by.items():
+    for (chip, lib), r in by.items():
         ref = by.get((chip, "splash"))
-        rs = f"{est / ref[0]:.2f}" if ref else "-"
-        out.append(f"{chip:4} {lib:17} {est:14.2f} {est / floor:7.2f} {rs:>8}")
+        rs = f"{r['est_ms'] / ref['est_ms']:.2f}" if ref else "-"
+        out.append(f"{chip:4} {lib:17} {r['est_ms']:14.2f} {r['est_ms'] / r['floor_ms']:7.2f} "
+                   f"{rs:>8}")
     return "\n".join(out)
 
 

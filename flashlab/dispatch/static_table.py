@@ -33,9 +33,13 @@ def stored(path=None) -> dict:
     """The committed run (:data:`STORED`): ``{"versions", "args", "rows"}``."""
     p = Path(path or STORED)
     if not p.exists():
-        raise FileNotFoundError(f"{p}: no stored tpu-static run; make one with "
-                                f"python -m flashlab bench tpu-static --json {p}")
+        raise _missing(p)
     return json.loads(p.read_text())
+
+
+def _missing(p: Path) -> FileNotFoundError:
+    return FileNotFoundError(f"{p}: no stored tpu-static run; make one with "
+                             f"python -m flashlab bench tpu-static --json {p}")
 
 
 def stored_shapes(paths=None) -> dict:
@@ -49,17 +53,21 @@ def stored_shapes(paths=None) -> dict:
     runs, rows = [], []
     for p in paths or STORED_SHAPES:
         doc = stored(p)
-        a, v = doc.get("args") or {}, doc.get("versions") or {}
-        runs.append({"path": str(p), "versions": v, "args": a})
-        rows += [dict(r, commit=r.get("commit", a.get("commit")),
-                      versions=r.get("versions", v)) for r in doc["rows"]]
+        runs.append({"path": str(p), "versions": doc.get("versions") or {},
+                     "args": doc.get("args") or {}})
+        rows += tuned_blocks.stored_rows(doc)
     return {"runs": runs, "rows": rows}
 
 
-@functools.lru_cache(maxsize=16)
-def _shape_of_run(path: str, mtime_ns: int) -> tuple:
-    a = stored(path).get("args") or {}
-    return a.get("seq_len"), a.get("head_dim"), a.get("causal")
+@functools.lru_cache(maxsize=8)
+def _parsed(path: str, mtime_ns: int) -> dict:
+    """:func:`stored` parsed once per file version: ``auto`` reads a run on every TPU trace.
+    Read-only: callers that change a run take :func:`stored`'s fresh copy."""
+    return stored(path)
+
+
+def _cached(p: Path) -> dict:
+    return _parsed(str(p), p.stat().st_mtime_ns)
 
 
 def nearest_run(q_len: int, kv_len: int, head_dim: int, causal: bool, paths=None):
@@ -73,7 +81,8 @@ def nearest_run(q_len: int, kv_len: int, head_dim: int, causal: bool, paths=None
         p = Path(p)
         if not p.exists():
             continue
-        seq, d, c = _shape_of_run(str(p), p.stat().st_mtime_ns)
+        a = _cached(p).get("args") or {}
+        seq, d, c = a.get("seq_len"), a.get("head_dim"), a.get("causal")
         key = (c is None or bool(c) != bool(causal),
                d is None or (d <= 64) != (head_dim <= 64),
                abs(math.log2(t / seq)) if seq else math.inf)
@@ -99,10 +108,9 @@ def static_ranking(chip: str, *, blocks: str = "default", path=None, shape=None)
     if path is None and shape is not None:
         path = nearest_run(*shape)
     path = Path(path or STORED)
-    try:
-        doc = stored(path)
-    except FileNotFoundError as e:
-        return [], str(e)
+    if not path.exists():
+        return [], str(_missing(path))
+    doc = _cached(path)
     by = {}
     for r in doc["rows"]:
         if (r.get("chip") == chip and r.get("blocks") == blocks and "error" not in r

@@ -29,7 +29,8 @@ from pathlib import Path
 from flashlab.kernels.tiling import kernel_head_dim, lane_pad
 
 __all__ = ["TABLE", "KERNELS", "BACKWARD_PARTS", "whole_backward", "table", "lookup",
-           "class_of", "entries_from_rows", "entries_from_stored", "class_key", "write"]
+           "class_of", "entries_from_rows", "stored_rows", "entries_from_stored", "class_key",
+           "write"]
 
 TABLE = Path(__file__).parent.parent / "data" / "tpu_blocks.json"
 KERNELS = ("forward", "backward")
@@ -131,6 +132,15 @@ def entries_from_rows(rows, *, dtype: str, command: str, commit: str, versions: 
     return out
 
 
+def stored_rows(doc: dict) -> list:
+    """A stored run's rows, each with the ``commit`` and ``versions`` it was measured at. A
+    run installed as it came out names them once, in its ``args`` and ``versions``; a row
+    that records its own (``bench tpu-static --update``) keeps them."""
+    a, v = doc.get("args") or {}, doc.get("versions") or {}
+    stamp = {"versions": v} | ({"commit": a["commit"]} if a.get("commit") else {})
+    return [stamp | r for r in doc["rows"]]
+
+
 def entries_from_stored(paths, *, command: str, commit: str) -> list:
     """:func:`entries_from_rows` over every row of the stored runs ``paths`` (the JSON that
     ``bench tpu-static --update`` writes), one dtype at a time. Each entry's ``commit`` is
@@ -142,9 +152,7 @@ def entries_from_stored(paths, *, command: str, commit: str) -> list:
     rows, versions = [], {}
     for path in paths:
         doc = json.loads(Path(path).read_text())
-        run_commit = (doc.get("args") or {}).get("commit")     # a run installed as it came out
-        rows += [r if "commit" in r or not run_commit else dict(r, commit=run_commit)
-                 for r in doc["rows"]]
+        rows += stored_rows(doc)
         versions.update(doc.get("versions") or {})
     out = []
     for dtype in sorted({r.get("dtype", "bfloat16") for r in rows}):
