@@ -312,6 +312,72 @@ def test_row_chunks_only_where_measured_to_pay():
     assert log2(512, 256) is False and log2(512, 512) is True
 
 
+def _col_chunked(monkeypatch):
+    """Make the v6e forward fold a 128 x 256 tile in 2 row chunks of 64, each in 2 column
+    chunks of 128 (the real tables chunk only 2048-column tiles, too big to interpret)."""
+    from flashlab.kernels import forward_config
+    monkeypatch.setitem(forward_config.FORWARD_ROW_CHUNKS, "v6e", 2)
+    monkeypatch.setattr(forward_config, "CHUNK_MIN_ROWS", 32)
+    monkeypatch.setitem(forward_config.CHUNK_MIN_BLOCK_K, "v6e", 128)
+    monkeypatch.setitem(forward_config.FORWARD_COL_CHUNK, "v6e", 128)
+    monkeypatch.setattr(forward_config, "COL_CHUNK_MIN_ROWS", 64)
+
+
+@pytest.mark.parametrize("dtype, option", [(np.float32, "none"), (np.float32, "soft_cap"),
+                                           (np.float32, "sinks_no_window"),
+                                           (jnp.bfloat16, "none")])
+def test_col_chunks_match_the_oracle(monkeypatch, dtype, option):
+    """A plain tile folded in row chunks and, within each, column chunks
+    (forward_config.FORWARD_COL_CHUNK: one online-softmax update per piece, row-major) is the
+    same attention, in float32 and bfloat16, with a soft cap and with sinks."""
+    from flashlab.kernels.forward_config import make_config
+    _col_chunked(monkeypatch)
+    rng = np.random.default_rng(16)
+    B, T, S, N, K, H = 1, 256, 512, 4, 2, 64      # 2 q blocks of 128, 2 kv blocks of 256
+    q, k, v = random_qkv(rng, B, T, S, N, K, H)
+    kw = ({"sinks": (2 * rng.standard_normal(N)).astype(np.float32)}
+          if option == "sinks_no_window" else mask_kwargs(option, rng, B, T, S, N))
+    *_, spec = validate(*(jnp.asarray(x, dtype) for x in (q, k, v)), **kw)
+    cfg = make_config(spec, block_q=128, block_k=256, chip="v6e")
+    assert (cfg.chunk_rows, cfg.row_chunks, cfg.chunk_cols, cfg.col_chunks) == (64, 2, 128, 2)
+    _check(q, k, v, kw, dtype=dtype, block_q=128, block_k=256, chip="v6e")
+
+
+def test_col_chunks_no_races_in_tpu_interpret_mode(monkeypatch):
+    """Column chunks of one row chunk update the same rows of m, l and acc one after the
+    other, never at once: the race detector agrees (bf16)."""
+    _col_chunked(monkeypatch)
+    rng = np.random.default_rng(17)
+    q, k, v = random_qkv(rng, 1, 128, 512, 2, 1, 128)
+    _check(q, k, v, {}, dtype=jnp.bfloat16, interpret=device.tpu_interpret_params(),
+           block_q=128, block_k=256, chip="v6e")
+    assert compat.races_found() is False
+
+
+def test_col_chunks_only_where_measured_to_pay():
+    """forward_config.FORWARD_COL_CHUNK: column chunks of 1024 on v6e and 7x, for a plain tile
+    wider than 1024 whose row chunks keep at least 1024 rows; never on the other chips, for a
+    tile that masks anything or adds a bias, or for the backward's kernels."""
+    from flashlab.kernels.forward_config import make_config
+    q = jnp.zeros((1, 8192, 2, 128), jnp.bfloat16)
+
+    def cols(chip, bq, bk, backward_blocks=False, **kw):
+        *_, spec = validate(q, q, q, **kw)
+        return make_config(spec, block_q=bq, block_k=bk, chip=chip,
+                           backward_blocks=backward_blocks).chunk_cols
+    assert cols("v6e", 2048, 2048) == 1024                  # 2 row chunks of 1024 rows
+    assert cols("7x", 1024, 2048) == cols("7x", 2048, 2048) == 1024   # one chain
+    assert cols("v6e", 1024, 2048) is None                  # row chunks of 512
+    assert cols("7x", 2048, 1024) is None                   # no wider than a chunk
+    assert cols("v5e", 2048, 2048) is cols("v5p", 2048, 2048) is cols("v4", 1024, 2048) is None
+    assert cols("v6e", 2048, 2048, is_causal=True) is None
+    assert cols("v6e", 2048, 2048, bias=jnp.zeros((1, 1, 1, 8192), jnp.bfloat16)) is None
+    assert cols("v6e", 2048, 2048, backward_blocks=True) is None
+    r = jnp.zeros((1, 8000, 2, 128), jnp.bfloat16)           # kv padding masks the tile
+    *_, spec = validate(r, r, r)
+    assert make_config(spec, block_q=2048, block_k=2048, chip="7x").chunk_cols is None
+
+
 @pytest.mark.parametrize("chip, causal, log2", [("v5e", True, False), ("v6e", True, True),
                                                 ("v5e", False, True), ("7x", False, True)])
 @pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])

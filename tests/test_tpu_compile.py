@@ -169,6 +169,9 @@ _FORWARD_ESTIMATE_CASES = [
     ("v5e", 2048, 1024, {}),
     # four row chunks of 256 (FORWARD_ROW_CHUNKS): the bias, int8 mask and segment ids cut
     ("v5e", 1024, 1024, {"bias": True, "mask": True, "segments": True}),
+    # plain tiles in column chunks of 1024 (FORWARD_COL_CHUNK): v6e in 2 row chunks, 7x in one
+    ("v6e", 2048, 2048, {"noncausal": True}),
+    ("7x", 1024, 2048, {"noncausal": True}),
 ]
 
 
@@ -197,7 +200,7 @@ def test_the_forward_vmem_estimate_bounds_what_mosaic_allocates(monkeypatch, chi
 
     def f(*a):
         q, k, v, spec = validate(a[0], a[1], a[2], **{n: a[i] for n, i in extra.items()},
-                                 is_causal=True,
+                                 is_causal=not opts.get("noncausal"),
                                  logits_soft_cap=30.0 if opts.get("soft_cap") else None)
         return forward.flash_attention_forward(q, k, v, spec, block_q=bq, block_k=bk,
                                                interpret=False, chip=chip)

@@ -19,6 +19,8 @@ elementwise (``online_softmax.update(..., lanes=True)``); the lse output is that
 A wide tile is folded in ``cfg.row_chunks`` chunks of rows, each its own rows of ``m``, ``l``
 and ``acc`` (:data:`~flashlab.kernels.forward_config.FORWARD_ROW_CHUNKS`): independent chains
 the compiler's scheduler interleaves, one chunk's softmax under the next chunk's matmuls.
+On v6e and 7x a plain tile's rows fold their keys in column chunks too
+(:data:`~flashlab.kernels.forward_config.FORWARD_COL_CHUNK`).
 
 Inside, the layout is ``[batch, heads, seq, head_dim]`` padded to whole blocks (seq) and to
 128 lanes (head_dim); padding keys are masked through the kv length, which is
@@ -207,10 +209,11 @@ def _forward_kernel(*refs, cfg: ForwardConfig, names: RefNames):
         acc_ref[r, :] = acc
 
     # The tile as cfg.row_chunks independent chains of rows (FORWARD_ROW_CHUNKS): the
-    # scheduler overlaps one chunk's softmax with the next chunk's matmuls.
-    rows = bq // cfg.row_chunks
-    chunks = [diagonal.Piece(0, bk, c * rows, (c + 1) * rows, masked=True)
-              for c in range(cfg.row_chunks)]
+    # scheduler overlaps one chunk's softmax with the next chunk's matmuls. A plain tile's
+    # rows may fold their keys in cfg.col_chunks updates too (FORWARD_COL_CHUNK), row-major.
+    rows, cols = bq // cfg.row_chunks, bk // cfg.col_chunks
+    chunks = [diagonal.Piece(k * cols, (k + 1) * cols, c * rows, (c + 1) * rows, masked=True)
+              for c in range(cfg.row_chunks) for k in range(cfg.col_chunks)]
 
     def whole():
         for chunk in chunks:                                    # unrolled: static slices
@@ -234,7 +237,7 @@ def _forward_kernel(*refs, cfg: ForwardConfig, names: RefNames):
         # Where a chunk can see nothing of a visible tile (causal with B_r > B_c, a window),
         # such a tile takes a second path that runs only its chunks that see something, each
         # behind its own pl.when (no overlap between them, but no wasted chunk either).
-        seen = cfg.chunks_seen(q_start, k_start)
+        seen = cfg.chunks_seen(q_start, k_start)        # one per row chunk (col_chunks == 1)
         every = functools.reduce(jnp.logical_and, seen)
 
         @pl.when(jnp.logical_and(run, jnp.logical_not(every)))

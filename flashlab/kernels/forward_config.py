@@ -63,6 +63,7 @@ class ForwardConfig:
     visit_grid: bool = False        # grid (B, H, n) over the visible blocks (kernels/visit.py)
     log2_scores: bool = False       # scale·log2(e) folded into Q_i, softmax in base 2 (below)
     chunk_rows: int | None = None   # the forward's tile folded in row chunks of this many
+    chunk_cols: int | None = None   # ... and each row chunk in column chunks of this many
 
     @property
     def masks_tile(self) -> bool:
@@ -75,6 +76,12 @@ class ForwardConfig:
     def row_chunks(self) -> int:
         """How many row chunks the forward folds one tile in (:data:`FORWARD_ROW_CHUNKS`)."""
         return 1 if self.chunk_rows is None else self.block_q // self.chunk_rows
+
+    @property
+    def col_chunks(self) -> int:
+        """How many column chunks the forward folds each row chunk in
+        (:data:`FORWARD_COL_CHUNK`)."""
+        return 1 if self.chunk_cols is None else self.block_k // self.chunk_cols
 
     @property
     def partial_tiles(self) -> bool:
@@ -227,6 +234,8 @@ def make_config(spec: AttentionSpec, *, block_q=None, block_k=None, return_lse=F
     kernel = "backward" if backward_blocks else "forward"
     cfg = dataclasses.replace(cfg, visit_grid=_use_visit_grid(cfg, visit_grid, kernel),
                               chunk_rows=None if backward_blocks else _chunk_rows(cfg))
+    if not backward_blocks:
+        cfg = dataclasses.replace(cfg, chunk_cols=_chunk_cols(cfg))
     return dataclasses.replace(cfg, log2_scores=_log2_scores(cfg))
 
 
@@ -265,6 +274,37 @@ def _chunk_rows(cfg: ForwardConfig) -> int | None:
             or cfg.block_q % (32 * chunks)):
         return None
     return cfg.block_q // chunks
+
+
+#: The widest column chunk of the forward's tile, per chip (absent: none). A row chunk of at
+#: least :data:`COL_CHUNK_MIN_ROWS` rows and a wider ``block_k`` is folded in column chunks
+#: of this many keys, one online-softmax update each, in row-major order: the scheduler then
+#: runs one chunk's exp under the next chunk's ``Q_i K_jᵀ`` within a row chunk too, and a
+#: chunk's scores are half the tile's (fewer stores). Measured with ``bench tpu-static``
+#: (jax 0.12.0.1, libtpu 0.0.50.1; B=2 T=8192 H=16 d=128 bf16 non-causal; cycles of one tile,
+#: one column chunk -> chunks of 1024): v6e 2048² (2 row chunks of 1024) 10318 -> 10070, 7x
+#: 2048² 11729 -> 10629, 7x 1024 × 2048 6126 -> 5696. Narrower pieces lose: v6e 1024 × 2048
+#: (row chunks of 512) 5468 -> 5578, 2048 × 1024 in chunks of 512 5386 -> 5724; v5e and v5p
+#: lose at 2048² (17563 -> 17698) and 1024 × 2048 (8723 -> 8970). Only for the plain tile (no
+#: mask, no bias: :func:`_chunk_cols`). Causal interior tiles gain too (v6e 2048² 11785 ->
+#: 11408, 7x 13379 -> 12187, 7x 1024 × 2048 6916 -> 6382), not switched on yet: the stored
+#: causal runs were measured without it, and each takes half an hour to re-run.
+FORWARD_COL_CHUNK = {"v6e": 1024, "7x": 1024}
+COL_CHUNK_MIN_ROWS = 1024    # fewer rows: a column chunk has too little matmul to hide its exp
+
+
+def _chunk_cols(cfg: ForwardConfig) -> int | None:
+    """The keys of one column chunk of the forward's tile (:data:`FORWARD_COL_CHUNK`),
+    ``None`` for whole rows: on a chip without an entry, for a tile no wider than the chunk or
+    with row chunks of fewer than :data:`COL_CHUNK_MIN_ROWS` rows, and for a tile that masks
+    anything (causal, window, lengths, padding, segments, mask) or adds a bias (whose block
+    the pieces would have to cut by columns too)."""
+    cols = FORWARD_COL_CHUNK.get(cfg.chip)
+    rows = cfg.block_q if cfg.chunk_rows is None else cfg.chunk_rows
+    if (cols is None or cfg.block_k <= cols or cfg.block_k % cols or rows < COL_CHUNK_MIN_ROWS
+            or cfg.masks_tile or cfg.bias_dtype is not None):
+        return None
+    return cols
 
 
 #: Where the forward keeps its scores unscaled-and-natural: (chip, masked tile). Elsewhere it
