@@ -29,7 +29,7 @@ def parser() -> argparse.ArgumentParser:
                     "fastest per (kernel, chip, shape class) to the default-blocks table "
                     "(static schedule, not wall time)")
     p.add_argument("--runs", nargs="+", metavar="PATH", default=[str(s) for s in STORED],
-                   help="stored runs of 'bench tpu-static --update' (default: %(default)s)")
+                   help="stored runs of 'bench tpu-static --json' (default: %(default)s)")
     p.add_argument("--table", metavar="PATH", default=str(tuned_blocks.TABLE),
                    help="the table to update (default: %(default)s)")
     p.add_argument("--dry-run", action="store_true", help="print the winners, write nothing")
