@@ -279,16 +279,18 @@ def _chunk_rows(cfg: ForwardConfig) -> int | None:
 #: The widest column chunk of the forward's tile, per chip (absent: none). A row chunk of at
 #: least :data:`COL_CHUNK_MIN_ROWS` rows and a wider ``block_k`` is folded in column chunks
 #: of this many keys, one online-softmax update each, in row-major order: the scheduler then
-#: runs one chunk's exp under the next chunk's ``Q_i K_jᵀ`` within a row chunk too, and a
-#: chunk's scores are half the tile's (fewer stores). Measured with ``bench tpu-static``
-#: (jax 0.12.0.1, libtpu 0.0.50.1; B=2 T=8192 H=16 d=128 bf16 non-causal; cycles of one tile,
-#: one column chunk -> chunks of 1024): v6e 2048² (2 row chunks of 1024) 10318 -> 10070, 7x
-#: 2048² 11729 -> 10629, 7x 1024 × 2048 6126 -> 5696. Narrower pieces lose: v6e 1024 × 2048
-#: (row chunks of 512) 5468 -> 5578, 2048 × 1024 in chunks of 512 5386 -> 5724; v5e and v5p
-#: lose at 2048² (17563 -> 17698) and 1024 × 2048 (8723 -> 8970). Only for the plain tile (no
-#: mask, no bias: :func:`_chunk_cols`). Causal interior tiles gain too (v6e 2048² 11785 ->
-#: 11408, 7x 13379 -> 12187, 7x 1024 × 2048 6916 -> 6382), not switched on yet: the stored
-#: causal runs were measured without it, and each takes half an hour to re-run.
+#: runs one chunk's exp under the next chunk's ``Q_i K_jᵀ`` within a row chunk too. That adds
+#: vector work (a row max and sum per chunk, one more rescale of ``acc``; v6e 2048²: VALU 5665
+#: -> 6210 cycles, stores 5579 -> 6064) and still ends the tile sooner. Measured with
+#: ``bench tpu-static`` (jax 0.12.0.1, libtpu 0.0.50.1; B=2 T=8192 H=16 d=128 bf16
+#: non-causal; cycles of one tile, one column chunk -> chunks of 1024): v6e 2048² (2 row
+#: chunks of 1024) 10318 -> 10070, 7x 2048² 11729 -> 10629, 7x 1024 × 2048 6126 -> 5696.
+#: Narrower pieces lose: v6e 1024 × 2048 (row chunks of 512) 5468 -> 5578, 2048 × 1024 in
+#: chunks of 512 5386 -> 5724; v5e and v5p lose at 2048² (17563 -> 17698) and 1024 × 2048
+#: (8723 -> 8970). Only for the plain tile (no mask, no bias: :func:`_chunk_cols`). Causal
+#: interior tiles gain too (v6e 2048² 11785 -> 11408, 7x 13379 -> 12187, 7x 1024 × 2048 6916
+#: -> 6382), not switched on yet: the stored causal runs (static_table) were measured without
+#: it, and re-running them takes hours here.
 FORWARD_COL_CHUNK = {"v6e": 1024, "7x": 1024}
 COL_CHUNK_MIN_ROWS = 1024    # fewer rows: a column chunk has too little matmul to hide its exp
 
