@@ -284,7 +284,8 @@ def _chunk_rows(cfg: ForwardConfig) -> int | None:
 #: -> 6210 cycles, stores 5579 -> 6064) and still ends the tile sooner. Measured with
 #: ``bench tpu-static`` (jax 0.12.0.1, libtpu 0.0.50.1; B=2 T=8192 H=16 d=128 bf16
 #: non-causal; cycles of one tile, one column chunk -> chunks of 1024): v6e 2048² (2 row
-#: chunks of 1024) 10318 -> 10070, 7x 2048² 11729 -> 10629, 7x 1024 × 2048 6126 -> 5696.
+#: chunks of 1024) 10318 -> 10070, 7x 2048² 11729 -> 10629, 7x 1024 × 2048 6126 -> 5696;
+#: at d=64 v6e 10328 -> 10091, 7x 11732 -> 10624 and 6123 -> 5671.
 #: Narrower pieces lose: v6e 1024 × 2048 (row chunks of 512) 5468 -> 5578, 2048 × 1024 in
 #: chunks of 512 5386 -> 5724; v5e and v5p lose at 2048² (17563 -> 17698) and 1024 × 2048
 #: (8723 -> 8970). Only for the plain tile (no mask, no bias: :func:`_chunk_cols`). Causal
