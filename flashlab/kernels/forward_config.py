@@ -303,7 +303,7 @@ def _chunk_cols(cfg: ForwardConfig) -> int | None:
     anything (causal, window, lengths, padding, segments, mask) or adds a bias (whose block
     the pieces would have to cut by columns too)."""
     cols = FORWARD_COL_CHUNK.get(cfg.chip)
-    rows = cfg.block_q if cfg.chunk_rows is None else cfg.chunk_rows
+    rows = cfg.block_q // cfg.row_chunks                    # the rows of one row chunk
     if (cols is None or cfg.block_k <= cols or cfg.block_k % cols or rows < COL_CHUNK_MIN_ROWS
             or cfg.masks_tile or cfg.bias_dtype is not None):
         return None
