@@ -27,3 +27,20 @@ def flag_at_import(module: str, name: str, **env) -> bool:
                         env=dict(os.environ, JAX_PLATFORMS="cpu", **env)).returncode
     assert rc in (0, 3), rc
     return rc == 0
+
+
+def kernel_eqns(f, *args) -> list:
+    """The equations of every ``pallas_call`` kernel that ``f(*args)`` traces, one list per
+    kernel, sub-jaxprs (``pl.when``'s branches) included: what a kernel builds per tile."""
+    import jax
+
+    def walk(jaxpr):
+        for e in jaxpr.eqns:
+            yield e
+            for p in e.params.values():
+                for sub in p if isinstance(p, (tuple, list)) else (p,):
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        yield from walk(inner)
+    top = jax.make_jaxpr(f)(*args).jaxpr
+    return [list(walk(e.params["jaxpr"])) for e in walk(top) if e.primitive.name == "pallas_call"]

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import flag_at_import, random_qkv
+from conftest import flag_at_import, kernel_eqns, random_qkv
 from flashlab.compat import pallas as compat
 from flashlab.contract import device
 from flashlab.contract.masks import validate
@@ -127,3 +127,18 @@ def test_strips_give_the_oracle_lse_and_sinks(monkeypatch):
     ref, ref_lse = oracle_attention(q, k, v, is_causal=True, sinks=sinks, return_lse=True)
     assert np.abs(np.asarray(out) - ref).max() <= F32_TOL
     assert np.abs(np.asarray(lse) - ref_lse).max() <= 1e-5
+
+
+def test_only_the_crossed_pieces_build_a_mask(monkeypatch):
+    """Under the strips causal is the only mask, so a tile the diagonal does not cross is seen
+    whole once it runs: its chunks build no mask (v6e causal 2048²: 11785 -> 10318 cycles a
+    tile). The kernel's iotas (two per mask: query and key positions) are exactly the
+    crossed tiles' masked pieces'."""
+    _small_strips(monkeypatch)
+    q = jnp.zeros((1, 768, 2, 64), jnp.float32)
+    *_, spec = validate(q, q, q, is_causal=True)
+    cfg = make_config(spec, block_q=256, block_k=256, chip="v5e")
+    masked = sum(p.masked for _, pieces in diagonal.forward_cases(cfg) for p in pieces)
+    [kernel] = kernel_eqns(lambda q: flash_attention(q, q, q, is_causal=True, block_q=256,
+                                                     block_k=256, chip="v5e"), q)
+    assert masked == 2 and sum(e.primitive.name == "iota" for e in kernel) == 2 * masked

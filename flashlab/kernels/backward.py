@@ -148,11 +148,11 @@ def _dkdv_kernel(*refs, cfg: ForwardConfig, names: RefNames, fused: int = 0):
         def _zero_dq():
             dq_ref[...] = jnp.zeros(dq_ref.shape, jnp.float32)
 
-    def step(piece=None, write=False):
+    def step(piece=None, write=False, inside=False):
         starts = forward_grid.global_starts(offsets_ref, i * cfg.block_q, j * cfg.block_k,
                                             q_len, kv_len)
         dq_row = ((i - chunk * per) if chunked else i) * cfg.block_q  # q block i's dq rows
-        _dkdv_tile(ins, cfg, starts, dq_row if fused else None, g, piece, write)
+        _dkdv_tile(ins, cfg, starts, dq_row if fused else None, g, piece, write, inside)
 
     if fused and diagonal.applies(cfg):
         # A tile the causal diagonal crosses runs as its kv strips, each from the first query
@@ -171,7 +171,10 @@ def _dkdv_kernel(*refs, cfg: ForwardConfig, names: RefNames, fused: int = 0):
                         dv_acc[lo:hi, :] = jnp.zeros((hi - lo, dv_acc.shape[1]), jnp.float32)
                     for piece in pieces:
                         step(piece, write)
-            pl.when(jnp.logical_not(diagonal.crossing(cfg, d)))(step)
+            # a tile the diagonal does not cross is seen whole: no mask (v6e 2048²: 22742
+            # -> 20890 cycles)
+            pl.when(jnp.logical_not(diagonal.crossing(cfg, d)))(
+                functools.partial(step, inside=True))
     else:
         pl.when(run)(step)
 
@@ -181,13 +184,16 @@ def _dkdv_kernel(*refs, cfg: ForwardConfig, names: RefNames, fused: int = 0):
         dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
 
 
-def _dkdv_tile(ins, cfg: ForwardConfig, starts, dq_row, g, piece=None, write=False):
+def _dkdv_tile(ins, cfg: ForwardConfig, starts, dq_row, g, piece=None, write=False,
+               inside=False):
     """One dK/dV step's tile: ``dV_j += P_ijᵀ dO_i``, ``dK_j += dS'_ijᵀ Q_i`` into the
     accumulators, and with ``dq_row`` (the fused kernel: q block i's first row in its dQ
     block) ``dQ_i += dS'_ij K_j`` into head ``g``'s rows. ``piece``
     (:class:`diagonal.Piece`): only kv rows ``[k_lo, k_hi)`` by queries ``[q_lo, q_hi)`` of
-    it, ``[k_hi − k_lo, q_hi − q_lo]``, masked only where ``piece.masked``. ``write``: the kv
-    block's first visit (:func:`diagonal.writes_first`): ``dV_j =``, ``dK_j =``."""
+    it, ``[k_hi − k_lo, q_hi − q_lo]``, masked only where ``piece.masked``. ``inside``: a
+    whole tile below the causal diagonal (under :func:`diagonal.applies`, causal the only
+    mask), masked only by run-time lengths. ``write``: the kv block's first visit
+    (:func:`diagonal.writes_first`): ``dV_j =``, ``dK_j =``."""
     dk_acc, dv_acc = ins["dk_acc"], ins["dv_acc"]
     acc, view, tcfg, k0, q0 = (...), ins, cfg, 0, 0
     if piece is not None:               # the piece's rows of K, V and of Q, dO, stats_t
@@ -200,6 +206,9 @@ def _dkdv_tile(ins, cfg: ForwardConfig, starts, dq_row, g, piece=None, write=Fal
         unmasked = not (piece.masked or cfg.mask_q_len or cfg.mask_kv_len)
         tcfg = dataclasses.replace(cfg, block_q=nq, block_k=nk,
                                    is_causal=cfg.is_causal and not unmasked)
+
+    if inside and not (cfg.mask_q_len or cfg.mask_kv_len):
+        tcfg = dataclasses.replace(cfg, is_causal=False)
 
     def into(ref, value):                                          # ref[acc] (+)= value
         ref[acc] = value if write else ref[acc] + value

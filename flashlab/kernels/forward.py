@@ -211,15 +211,18 @@ def _forward_kernel(*refs, cfg: ForwardConfig, names: RefNames):
     # The tile as cfg.row_chunks independent chains of rows (FORWARD_ROW_CHUNKS): the
     # scheduler overlaps one chunk's softmax with the next chunk's matmuls. A plain tile's
     # rows may fold their keys in cfg.col_chunks updates too (FORWARD_COL_CHUNK), row-major.
+    strips = diagonal.forward_cases(cfg)
     rows, cols = bq // cfg.row_chunks, bk // cfg.col_chunks
-    chunks = [diagonal.Piece(k * cols, (k + 1) * cols, c * rows, (c + 1) * rows, masked=True)
+    # Under the strips (causal is the only mask) a tile the diagonal does not cross is seen
+    # whole once it runs: its chunks build no mask (v6e causal 2048²: 11785 -> 10318 cycles).
+    chunks = [diagonal.Piece(k * cols, (k + 1) * cols, c * rows, (c + 1) * rows,
+                             masked=not strips)
               for c in range(cfg.row_chunks) for k in range(cfg.col_chunks)]
 
     def whole():
         for chunk in chunks:                                    # unrolled: static slices
             fold(chunk)
 
-    strips = diagonal.forward_cases(cfg)
     if strips:
         # A tile the causal diagonal crosses runs as its query strips, each against the keys
         # it sees (diagonal.forward_cases): straight-line, one list per crossing offset d.

@@ -299,13 +299,20 @@ COL_CHUNK_MIN_ROWS = 1024    # fewer rows: a column chunk has too little matmul 
 def _chunk_cols(cfg: ForwardConfig) -> int | None:
     """The keys of one column chunk of the forward's tile (:data:`FORWARD_COL_CHUNK`),
     ``None`` for whole rows: on a chip without an entry, for a tile no wider than the chunk or
-    with row chunks of fewer than :data:`COL_CHUNK_MIN_ROWS` rows, and for a tile that masks
-    anything (causal, window, lengths, padding, segments, mask) or adds a bias (whose block
-    the pieces would have to cut by columns too)."""
+    with row chunks of fewer than :data:`COL_CHUNK_MIN_ROWS` rows, for a tile that adds a bias
+    (whose block the pieces would have to cut by columns too), and for a tile that masks
+    anything (causal, window, lengths, padding, segments, mask), except the causal tile the
+    forward's query strips leave whole (:func:`diagonal.forward_applies`): one the diagonal
+    does not cross, which masks nothing."""
+    from flashlab.kernels import diagonal                   # it imports this module
     cols = FORWARD_COL_CHUNK.get(cfg.chip)
     rows = cfg.block_q // cfg.row_chunks                    # the rows of one row chunk
     if (cols is None or cfg.block_k <= cols or cfg.block_k % cols or rows < COL_CHUNK_MIN_ROWS
-            or cfg.masks_tile or cfg.bias_dtype is not None):
+            or cfg.bias_dtype is not None):
+        return None
+    # a masked tile keeps whole rows, except the causal interior tile under the query strips,
+    # which masks nothing (the strips run the crossed tiles by their own pieces)
+    if cfg.masks_tile and not diagonal.forward_applies(cfg):
         return None
     return cols
 
