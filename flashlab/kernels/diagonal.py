@@ -40,7 +40,7 @@ from flashlab.kernels.block_ranges import div_nonneg
 from flashlab.kernels.forward_config import ForwardConfig
 
 __all__ = ["Piece", "STRIP_ROWS", "MIN_BLOCK_K", "MIN_BLOCK_Q", "FORWARD_STRIP_ROWS",
-           "FORWARD_MIN_BLOCK", "FORWARD_STRIPS", "writes_first", "first_visit", "uncovered",
+           "FORWARD_MIN_BLOCK", "FORWARD_MIN_BLOCK_BY_CHIP", "FORWARD_STRIPS", "writes_first", "first_visit", "uncovered",
            "folds", "fold_length", "fold_step",
            "applies", "strip_rows", "cases", "crossing", "visits", "picture",
            "forward_strip_rows", "forward_applies", "forward_cases", "forward_visits"]
@@ -263,8 +263,12 @@ def picture(cfg: ForwardConfig, d: int, cell: int = 128, *, forward: bool = Fals
 FORWARD_STRIP_ROWS = {"v4": 256, "v5e": 256, "v5p": 256, "v6e": 512, "7x": 512}
 #: The forward cuts tiles into strips only where a block is at least this long: at 512² the
 #: strips save too little (v5e 1328 -> 1291 cycles a crossed tile, v5p 1313 -> 1301) to pay
-#: for the step's extra case test (v5e 173 -> 181 cycles), 1.002x the whole kernel.
+#: for the step's extra case test (v5e 173 -> 181 cycles), 1.002x the whole kernel (4.309 ->
+#: 4.33 ms, v5p 3.726 -> 3.75 once the interior tiles build no mask). v4 gains at 512²
+#: (whole forward 7.97 -> 7.19 ms: its masked tile cost 1721 cycles, its interior tile now
+#: 1530); v6e and 7x cut strips of 512 rows, so a 512-row block has one and is never cut.
 FORWARD_MIN_BLOCK = 1024
+FORWARD_MIN_BLOCK_BY_CHIP = {"v4": 512}
 #: ``FLASHLAB_FORWARD_STRIPS=0`` (read once, at import, like ``FLASHLAB_BOUNDS_CHECKS``)
 #: compiles the forward's crossed tiles whole again: the before of chapter 05's schedule, and
 #: the row chunks' partial path (:attr:`ForwardConfig.partial_tiles`) for causal tiles.
@@ -278,11 +282,12 @@ def forward_strip_rows(cfg: ForwardConfig) -> int:
 
 def forward_applies(cfg: ForwardConfig) -> bool:
     """Whether the forward cuts diagonal tiles into query strips: :data:`FORWARD_STRIPS`,
-    :func:`_positional`, a block of at least :data:`FORWARD_MIN_BLOCK`, whole 128-lane kv
-    widths and two strips."""
+    :func:`_positional`, a block of at least :data:`FORWARD_MIN_BLOCK` (per chip:
+    :data:`FORWARD_MIN_BLOCK_BY_CHIP`), whole 128-lane kv widths and two strips."""
     h = forward_strip_rows(cfg)
     return (FORWARD_STRIPS and _positional(cfg)
-            and max(cfg.block_q, cfg.block_k) >= FORWARD_MIN_BLOCK
+            and max(cfg.block_q, cfg.block_k) >= FORWARD_MIN_BLOCK_BY_CHIP.get(
+                cfg.chip, FORWARD_MIN_BLOCK)
             and cfg.block_q % h == 0 and cfg.block_q >= 2 * h and cfg.block_k % 128 == 0)
 
 
