@@ -288,10 +288,9 @@ def _chunk_rows(cfg: ForwardConfig) -> int | None:
 #: at d=64 v6e 10328 -> 10091, 7x 11732 -> 10624 and 6123 -> 5671.
 #: Narrower pieces lose: v6e 1024 × 2048 (row chunks of 512) 5468 -> 5578, 2048 × 1024 in
 #: chunks of 512 5386 -> 5724; v5e and v5p lose at 2048² (17563 -> 17698) and 1024 × 2048
-#: (8723 -> 8970). Only for the plain tile (no mask, no bias: :func:`_chunk_cols`). Causal
-#: interior tiles gain too (v6e 2048² 11785 -> 11408, 7x 13379 -> 12187, 7x 1024 × 2048 6916
-#: -> 6382), not switched on yet: the stored causal runs (static_table) were measured without
-#: it, and re-running them takes hours here.
+#: (8723 -> 8970). Only for a tile that masks nothing and adds no bias (:func:`_chunk_cols`):
+#: the plain tile, and the causal interior tile the query strips leave whole (causal 2048²,
+#: unmasked and chunked: v6e 11785 -> 10070, 7x 13379 -> 10629).
 FORWARD_COL_CHUNK = {"v6e": 1024, "7x": 1024}
 COL_CHUNK_MIN_ROWS = 1024    # fewer rows: a column chunk has too little matmul to hide its exp
 
