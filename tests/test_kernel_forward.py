@@ -375,6 +375,7 @@ def test_col_chunks_only_where_measured_to_pay():
     # off, or a window, every tile is masked and keeps whole rows
     assert cols("v6e", 2048, 2048, is_causal=True) == 1024
     assert cols("v6e", 2048, 2048, is_causal=True, local_window_size=(4096, 0)) is None
+    assert cols("v6e", 4096, 2048, is_causal=True) is None   # row chunks run one by one there
     assert cols("v6e", 2048, 2048, bias=jnp.zeros((1, 1, 1, 8192), jnp.bfloat16)) is None
     assert cols("v6e", 2048, 2048, backward_blocks=True) is None
     r = jnp.zeros((1, 8000, 2, 128), jnp.bfloat16)           # kv padding masks the tile

@@ -169,10 +169,9 @@ def strip_rows(cfg: ForwardConfig) -> int:
 
 
 def _positional(cfg: ForwardConfig) -> bool:
-    """Causal, and nothing else hides a score by position or data (no window, offsets, bias,
-    mask or segment ids): the pieces are cut from positions alone."""
-    return (cfg.is_causal and cfg.window is None and not cfg.has_offsets
-            and cfg.bias_bcast is None and cfg.mask_bcast is None and not cfg.has_segments)
+    """Causal, and nothing else hides a score by position or data
+    (:attr:`ForwardConfig.causal_only`): the pieces are cut from positions alone."""
+    return cfg.causal_only
 
 
 def applies(cfg: ForwardConfig) -> bool:

@@ -73,6 +73,14 @@ class ForwardConfig:
                 or self.mask_kv_len or self.has_segments or self.mask_bcast is not None)
 
     @property
+    def causal_only(self) -> bool:
+        """Causal, and nothing else hides a score by position or data (no window, offsets,
+        bias, mask or segment ids): the diagonal's strips are cut from positions alone
+        (:mod:`.diagonal`), and a visible tile the diagonal does not cross sees every score."""
+        return (self.is_causal and self.window is None and not self.has_offsets
+                and self.bias_bcast is None and self.mask_bcast is None and not self.has_segments)
+
+    @property
     def row_chunks(self) -> int:
         """How many row chunks the forward folds one tile in (:data:`FORWARD_ROW_CHUNKS`)."""
         return 1 if self.chunk_rows is None else self.block_q // self.chunk_rows
@@ -299,21 +307,18 @@ def _chunk_cols(cfg: ForwardConfig) -> int | None:
     """The keys of one column chunk of the forward's tile (:data:`FORWARD_COL_CHUNK`),
     ``None`` for whole rows: on a chip without an entry, for a tile no wider than the chunk or
     with row chunks of fewer than :data:`COL_CHUNK_MIN_ROWS` rows, for a tile that adds a bias
-    (whose block the pieces would have to cut by columns too), and for a tile that masks
-    anything (causal, window, lengths, padding, segments, mask), except the causal tile the
-    forward's query strips leave whole (:func:`diagonal.forward_applies`): one the diagonal
-    does not cross, which masks nothing."""
-    from flashlab.kernels import diagonal                   # it imports this module
+    (whose block the pieces would have to cut by columns too) or may run its row chunks one
+    by one (:attr:`ForwardConfig.partial_tiles`), and for a tile that masks anything (window,
+    lengths, padding, segments, mask) but causal alone (:attr:`ForwardConfig.causal_only`),
+    whose interior tile the query strips leave whole and unmasked."""
     cols = FORWARD_COL_CHUNK.get(cfg.chip)
     rows = cfg.block_q // cfg.row_chunks                    # the rows of one row chunk
     if (cols is None or cfg.block_k <= cols or cfg.block_k % cols or rows < COL_CHUNK_MIN_ROWS
-            or cfg.bias_dtype is not None):
+            or cfg.bias_dtype is not None or cfg.partial_tiles):
         return None
-    # a masked tile keeps whole rows, except the causal interior tile under the query strips,
-    # which masks nothing (the strips run the crossed tiles by their own pieces)
-    if cfg.masks_tile and not diagonal.forward_applies(cfg):
-        return None
-    return cols
+    # a masked tile keeps whole rows, except under causal alone, whose interior tile masks
+    # nothing under the query strips (which cut the crossed tiles by their own pieces)
+    return cols if cfg.causal_only or not cfg.masks_tile else None
 
 
 #: Where the forward keeps its scores unscaled-and-natural: (chip, masked tile). Elsewhere it
