@@ -371,8 +371,8 @@ def test_col_chunks_only_where_measured_to_pay():
     assert cols("v6e", 1024, 2048) is None                  # row chunks of 512
     assert cols("7x", 2048, 1024) is None                   # no wider than a chunk
     assert cols("v5e", 2048, 2048) is cols("v5p", 2048, 2048) is cols("v4", 1024, 2048) is None
-    # causal: the interior tiles the query strips leave whole mask nothing; with the strips
-    # off, or a window, every tile is masked and keeps whole rows
+    # causal alone: the interior tiles the query strips leave whole mask nothing; with a
+    # window every tile is masked and keeps whole rows
     assert cols("v6e", 2048, 2048, is_causal=True) == 1024
     assert cols("v6e", 2048, 2048, is_causal=True, local_window_size=(4096, 0)) is None
     assert cols("v6e", 4096, 2048, is_causal=True) is None   # row chunks run one by one there

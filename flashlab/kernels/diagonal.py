@@ -40,8 +40,8 @@ from flashlab.kernels.block_ranges import div_nonneg
 from flashlab.kernels.forward_config import ForwardConfig
 
 __all__ = ["Piece", "STRIP_ROWS", "MIN_BLOCK_K", "MIN_BLOCK_Q", "FORWARD_STRIP_ROWS",
-           "FORWARD_MIN_BLOCK", "FORWARD_MIN_BLOCK_BY_CHIP", "FORWARD_STRIPS", "writes_first", "first_visit", "uncovered",
-           "folds", "fold_length", "fold_step",
+           "FORWARD_MIN_BLOCK", "FORWARD_MIN_BLOCK_BY_CHIP", "FORWARD_STRIPS", "writes_first",
+           "first_visit", "uncovered", "folds", "fold_length", "fold_step",
            "applies", "strip_rows", "cases", "crossing", "visits", "picture",
            "forward_strip_rows", "forward_applies", "forward_cases", "forward_visits"]
 
