@@ -168,16 +168,11 @@ def strip_rows(cfg: ForwardConfig) -> int:
     return STRIP_ROWS.get(cfg.chip, 128)
 
 
-def _positional(cfg: ForwardConfig) -> bool:
-    """Causal, and nothing else hides a score by position or data
-    (:attr:`ForwardConfig.causal_only`): the pieces are cut from positions alone."""
-    return cfg.causal_only
-
-
 def applies(cfg: ForwardConfig) -> bool:
-    """Whether the fused backward cuts diagonal tiles into strips: :func:`_positional`, blocks
-    of at least :data:`MIN_BLOCK_K` x :data:`MIN_BLOCK_Q` and at least two strips."""
-    return (_positional(cfg) and cfg.block_k >= MIN_BLOCK_K and cfg.block_q >= MIN_BLOCK_Q
+    """Whether the fused backward cuts diagonal tiles into strips:
+    :attr:`ForwardConfig.causal_only` (the pieces are cut from positions alone), blocks of at
+    least :data:`MIN_BLOCK_K` x :data:`MIN_BLOCK_Q` and at least two strips."""
+    return (cfg.causal_only and cfg.block_k >= MIN_BLOCK_K and cfg.block_q >= MIN_BLOCK_Q
             and cfg.block_k % strip_rows(cfg) == 0 and cfg.block_k >= 2 * strip_rows(cfg))
 
 
@@ -281,10 +276,10 @@ def forward_strip_rows(cfg: ForwardConfig) -> int:
 
 def forward_applies(cfg: ForwardConfig) -> bool:
     """Whether the forward cuts diagonal tiles into query strips: :data:`FORWARD_STRIPS`,
-    :func:`_positional`, a block of at least :data:`FORWARD_MIN_BLOCK` (per chip:
+    :attr:`ForwardConfig.causal_only`, a block of at least :data:`FORWARD_MIN_BLOCK` (per chip:
     :data:`FORWARD_MIN_BLOCK_BY_CHIP`), whole 128-lane kv widths and two strips."""
     h = forward_strip_rows(cfg)
-    return (FORWARD_STRIPS and _positional(cfg)
+    return (FORWARD_STRIPS and cfg.causal_only
             and max(cfg.block_q, cfg.block_k) >= FORWARD_MIN_BLOCK_BY_CHIP.get(
                 cfg.chip, FORWARD_MIN_BLOCK)
             and cfg.block_q % h == 0 and cfg.block_q >= 2 * h and cfg.block_k % 128 == 0)
