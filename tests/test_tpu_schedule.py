@@ -127,6 +127,9 @@ def test_role_of(name, role):
     (["--sweep", "512x1000"], "--sweep: block_k must be a multiple of 128"),
     (["--sweep", "512"], "--sweep: expected BQxBK"),
     (["--blocks"], "--blocks: none given and no --sweep pairs"),
+    (["--window", "0"], "--window: expected a positive integer"),
+    (["--window", "1024", "--update", "x.json"], "--window 1024: not with --update"),
+    (["--window", "1024", "--blocks-table", "x.json"], "--window 1024: not with --update"),
 ])
 def test_bench_cli_validation(args, match, capsys):
     from flashlab.benchmarks import backends as bench
@@ -153,6 +156,42 @@ def test_live_compile_bench_rows():
     assert "not wall time" in tpu_static_report.header(versions, dict(batch=1, seq_len=4096, heads=4,
                                                         head_dim=128, dtype="bfloat16",
                                                         causal=True, block=512)).lower()
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_window_flops_count_every_visible_score(causal):
+    """``--window LEFT``: ``(LEFT, 0)`` causal, ``(LEFT, LEFT)`` not; its FLOPs count the
+    visible scores of the oracle's own mask exactly (4·d per score: two matmuls)."""
+    import numpy as np
+    from flashlab.benchmarks import tpu_static_builders as tb
+    from flashlab.contract import masks
+    T, d, window = 640, 128, tb.window_of(100, causal)
+    assert window == ((100, 0) if causal else (100, 100)) and tb.window_of(None, causal) is None
+    i = np.arange(T)
+    seen = np.asarray(masks.structural_visible(i[:, None], i[None, :], is_causal=causal,
+                                               window=window)).sum()
+    assert tb.forward_flops(2, 3, T, d, causal, window) == 4.0 * 2 * 3 * d * seen
+    assert tb.forward_flops(2, 3, T, d, causal) == 4.0 * 2 * 3 * T * T * d / (2 if causal else 1)
+
+
+@needs_libtpu
+def test_live_compile_bench_with_a_window():
+    """``--window``: flashlab and splash (its ``LocalMask``) compile with the same window, the
+    tiles and FLOPs count the band only, and jax's kernel, which has no window, is a row that
+    says so, not a crash of the run."""
+    from flashlab.benchmarks import tpu_static as bts
+    from flashlab.benchmarks import tpu_static_report as rep
+    rows, _ = bts.measure(chips=["v5e"], libraries=["flashlab", "splash", "jax_pallas_flash"],
+                          modes=["equal"], kernels=["forward"], block=512, batch=1,
+                          seq_len=4096, heads=2, window=(1024, 0), progress=False)
+    by = {r["library"]: r for r in rows}
+    assert "no sliding window" in by["jax_pallas_flash"]["error"]
+    for lib in ("flashlab", "splash"):
+        r = by[lib]
+        # 8 q blocks of 512 against a 1024-key band: 1 + 2 + 6 x 3 = 21 tiles of the 36 causal
+        assert r["window"] == [1024, 0] and r["tiles"] == 2 * 21, r
+        assert r["flops"] == bts.forward_flops(1, 2, 4096, 128, True, (1024, 0))
+    assert by["flashlab"]["ratio_splash"] > 0 and "window=(1024, 0)" in rep.shape_of(by["splash"])
 
 
 @needs_libtpu

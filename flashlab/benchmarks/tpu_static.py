@@ -25,10 +25,11 @@ from pathlib import Path
 
 from flashlab.benchmarks.tpu_static_report import (
     BACKWARD_ROLES, BACKWARD_VARIANTS, LIBRARIES, MATMULS, header, table, update_rows)
-from flashlab.benchmarks.tpu_static_builders import build   # the child's entry point
+from flashlab.benchmarks.tpu_static_builders import (  # build: the child's entry point
+    build, forward_flops, window_of)
 from flashlab.instruments import tpu_dump
 
-__all__ = ["build", "measure", "chip_clock", "main", "parser"]
+__all__ = ["build", "measure", "chip_clock", "main", "parser", "window_of", "forward_flops"]
 
 # One run of this bench, committed for the book (chapters 05, 07, 09): its header says which
 # jax, libtpu and flashlab commit produced it. Regenerate with the command in its "args".
@@ -56,10 +57,10 @@ def chip_clock(chip: str) -> tuple[float | None, float | None, str]:
                       "(num_mxus x mxu_column_size^2 x 2), per TensorCore")
 
 
-def _visible_tiles(T, bq, bk, causal) -> int:
+def _visible_tiles(T, bq, bk, causal, window=None) -> int:
     from flashlab.kernels import blocks
     return blocks.num_visible_blocks(-(-T // bq), -(-T // bk), q_len=T, kv_len=T, block_q=bq,
-                                     block_k=bk, is_causal=causal)
+                                     block_k=bk, is_causal=causal, window=window)
 
 
 def init_runs(library: str, role: str, grid, *, batch, heads, seq_len, block_q, block_k,
@@ -89,21 +90,23 @@ def resident_zeroing(s, *, seq_len: int, block_q: int, head_dim: int, dq_chunks:
 
 
 def _row(k: tpu_dump.KernelDump, blocks, *, chip, library, mode, batch, seq_len, heads,
-         head_dim, causal, timeline, chunk_visits=(0, 0), dq_chunks=1, cases=()) -> dict:
+         head_dim, causal, timeline, chunk_visits=(0, 0), dq_chunks=1, cases=(),
+         window=None) -> dict:
     """One bench row from a kernel's schedule. ``chunk_visits``: the partial tiles and the
     chunks they run, per (batch, head): the forward's row chunks
     (:meth:`ForwardConfig.chunk_visits`); ``cases``: per case of the diagonal strips (the
     forward's query strips or the fused backward's kv strips), its tiles per (batch, head)
     (:func:`diagonal.forward_visits`, :func:`diagonal.visits`);
-    ``dq_chunks``: the fused backward's query chunks (:func:`backward_config.dq_chunks`)."""
-    from flashlab.benchmarks.backends import attention_flops
+    ``dq_chunks``: the fused backward's query chunks (:func:`backward_config.dq_chunks`);
+    ``window``: the run's ``(left, right)`` window or ``None`` (the row then has no
+    ``window`` field, as every stored run)."""
     from flashlab.instruments import tpu_schedule
     s = k.schedule
     bq, bk = blocks
     steps = math.prod(k.grid)
     rows = init_runs(library, k.role, k.grid, batch=batch, heads=heads, seq_len=seq_len,
                      block_q=bq, block_k=bk, dq_chunks=dq_chunks)
-    tiles = batch * heads * _visible_tiles(seq_len, bq, bk, causal)
+    tiles = batch * heads * _visible_tiles(seq_len, bq, bk, causal, window)
     partial, partial_chunks = (batch * heads * n for n in chunk_visits)
     cases = [batch * heads * n for n in cases]
     if len(cases) == 1 and not s.case_cycles and cases[0] == tiles:
@@ -118,7 +121,7 @@ def _row(k: tpu_dump.KernelDump, blocks, *, chip, library, mode, batch, seq_len,
                                         once=batch * heads * dq_chunks if zero else 0,
                                         once_cycles=zero, cases=cases)
     hz, peak, _ = chip_clock(chip)
-    flops = attention_flops(batch, heads, seq_len, seq_len, head_dim, causal) * MATMULS[k.role] / 2
+    flops = forward_flops(batch, heads, seq_len, head_dim, causal, window) * MATMULS[k.role] / 2
     r = dict(chip=chip, library=library, kernel=k.role, blocks=mode, block_q=bq, block_k=bk,
              seq_len=seq_len, head_dim=head_dim, causal=causal, batch=batch, heads=heads,
              name=k.name, grid=list(k.grid), tile_cycles=s.tile_cycles,
@@ -133,6 +136,8 @@ def _row(k: tpu_dump.KernelDump, blocks, *, chip, library, mode, batch, seq_len,
              est_ms=cycles / hz * 1e3 if hz else None,
              floor_ms=flops / peak * 1e3 if peak else None,
              op_mix=s.op_mix, unit_busy=s.unit_busy, unit_capacity=s.unit_capacity)
+    if window is not None:
+        r["window"] = list(window)
     r["ratio_floor"] = r["est_ms"] / r["floor_ms"] if hz else None
     if timeline:
         cols = list(s.unit_capacity)
@@ -144,11 +149,13 @@ def _row(k: tpu_dump.KernelDump, blocks, *, chip, library, mode, batch, seq_len,
 def measure(*, chips, libraries=LIBRARIES, modes=("default", "equal"), block=512, batch=2,
             seq_len=8192, heads=16, head_dim=128, dtype="bfloat16", causal=True,
             kernels=tuple(MATMULS), timeline_chip=None, timeout=1800, progress=True,
-            jobs_in_parallel=1, sweep=()):
+            jobs_in_parallel=1, sweep=(), window=None):
     """Compile and read every (chip, library, block mode); returns ``(rows, versions)``.
 
     ``jobs_in_parallel``: compiles at once (each a child process of ~1-3 GB).
     ``sweep``: ``(block_q, block_k)`` pairs, each one more mode (rows with ``blocks="sweep"``).
+    ``window``: ``(left, right)`` for every library (:func:`window_of`); jax's kernel has none,
+    so its rows record that as their error.
     """
     modes = list(modes) + [("sweep", tuple(p)) for p in sweep]
     jobs = [(c, lib, m, bwd) for c in chips for lib in libraries for m in modes
@@ -164,24 +171,29 @@ def measure(*, chips, libraries=LIBRARIES, modes=("default", "equal"), block=512
             bar = tqdm(total=len(jobs), desc="tpu-static", file=sys.stderr)
     rows, versions = [], {}
     shape = dict(batch=batch, seq_len=seq_len, heads=heads, head_dim=head_dim)
+    window = None if window is None else tuple(window)
+    extra = {} if window is None else {"window": window}    # stored runs: no window argument
 
     def one(job):
         c, lib, m, bwd = job
         blk = None if m == "default" else m[1] if isinstance(m, tuple) else block
+        if window is not None and lib == "jax_pallas_flash":
+            return NotImplementedError("no sliding window in jax's flash_attention")
         if lib.startswith("flashlab"):    # flashlab's own VMEM check refusing the blocks
             # (its default backward, or its split one) is a result, not a crash of the run
             try:
                 build(chip=c, library=lib, backward=bwd, dtype=dtype, causal=causal, block=blk,
-                      **shape)
+                      **shape, **extra)
             except ValueError as e:
                 return e
         try:
             return tpu_dump.schedules("flashlab.benchmarks.tpu_static:build", c, timeout=timeout,
                                       library=lib, backward=bwd, dtype=dtype, causal=causal,
-                                      block=blk, **shape)
+                                      block=blk, **shape, **extra)
         except Exception as e:  # noqa: BLE001 - a rejected compile is a result; see below
             from flashlab.instruments import tpu_compile
-            if not isinstance(e, (tpu_compile.CompileError, TimeoutError)):
+            if not isinstance(e, (tpu_compile.CompileError, TimeoutError,
+                                  NotImplementedError)):
                 raise
             return e
 
@@ -204,7 +216,8 @@ def measure(*, chips, libraries=LIBRARIES, modes=("default", "equal"), block=512
             for role in (("dq", "dkdv") if bwd else ("forward",)):
                 if role in kernels or (role == "dkdv" and "fused" in kernels):
                     rows.append(dict(chip=c, library=lib, kernel=role, blocks=m, **pair,
-                                     **shape, causal=causal,
+                                     **shape, causal=causal, **(
+                                         {} if window is None else {"window": list(window)}),
                                      error=" ".join(str(e).split())[:300]))
         else:
             versions = dict(jax=d.jax_version, libtpu=d.libtpu_version)
@@ -220,7 +233,8 @@ def measure(*, chips, libraries=LIBRARIES, modes=("default", "equal"), block=512
                                      causal=causal, timeline=(c == timeline_chip and m == "equal"),
                                      chunk_visits=per_head, **shape,
                                      dq_chunks=d.info["blocks"].get("dq_chunks") or 1,
-                                     cases=d.info["blocks"].get(f"{role}_cases", ())))
+                                     cases=d.info["blocks"].get(f"{role}_cases", ()),
+                                     window=window))
     if bar is not None:
         bar.close()
     for r in rows:                                   # ratio to splash, same chip/kernel/mode
@@ -297,6 +311,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--head-dim", type=_positive("--head-dim"), default=128)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--window", type=_positive("--window"), metavar="LEFT",
+                   help="a sliding window for every library: each query sees the LEFT keys "
+                        "before it (and itself; with --no-causal also the LEFT after it); "
+                        "jax's kernel has none. Not with --update or --blocks-table (the "
+                        "stored runs and default blocks have no window)")
     p.add_argument("--timeout", type=_positive("--timeout"), default=1800,
                    help="seconds per compile (default 1800: a loaded 2-core machine needs it)")
     p.add_argument("--sweep", nargs="+", metavar="BQxBK", default=[],
@@ -340,6 +359,9 @@ def main(argv=None) -> int:
         if a.seq_len % bq or a.seq_len % bk:
             p.error(f"--sweep: --seq-len {a.seq_len} is not a multiple of {text!r}")
         sweep.append((bq, bk))
+    if a.window is not None and (a.update or a.blocks_table):
+        p.error(f"--window {a.window}: not with --update or --blocks-table (the stored runs "
+                "and the default blocks are measured without a window)")
     if not a.blocks and not sweep:
         p.error("--blocks: none given and no --sweep pairs: nothing to measure")
     from flashlab.instruments import tpu_compile
@@ -349,7 +371,8 @@ def main(argv=None) -> int:
         chips=a.chip, libraries=a.library, modes=a.blocks, block=a.block, batch=a.batch,
         seq_len=a.seq_len, heads=a.heads, head_dim=a.head_dim, dtype=a.dtype, causal=a.causal,
         kernels=a.kernel, timeline_chip=a.timeline_chip, timeout=a.timeout,
-        progress=not a.no_progress, jobs_in_parallel=a.jobs, sweep=sweep)
+        progress=not a.no_progress, jobs_in_parallel=a.jobs, sweep=sweep,
+        window=window_of(a.window, a.causal))
     args = report_run(a, argv, "tpu-static", rows, versions, header=header, table=table)
     if a.update:
         update_rows(a.update, rows, versions=versions, command=args["command"],

@@ -135,9 +135,11 @@ def target_table(rows, *, kernel: str = "forward", target: float | None = None) 
 
 
 def shape_of(r) -> str:
-    """A row's shape as a heading: ``B=2 T=8192 H=16 d=128 causal``."""
+    """A row's shape as a heading: ``B=2 T=8192 H=16 d=128 causal`` (`` window=(L, R)`` for a
+    ``--window`` run)."""
+    w = f" window=({r['window'][0]}, {r['window'][1]})" if r.get("window") else ""
     return (f"B={r.get('batch')} T={r.get('seq_len')} H={r.get('heads')} d={r.get('head_dim')} "
-            f"{'causal' if r.get('causal') else 'non-causal'}")
+            f"{'causal' if r.get('causal') else 'non-causal'}{w}")
 
 
 def target_tables_by_shape(rows, *, kernel: str = "forward") -> str:
@@ -160,7 +162,9 @@ def header(versions: dict, args: dict) -> str:
         f"jax {versions.get('jax')}, libtpu {versions.get('libtpu')}, flashlab commit "
         f"{args.get('commit')}.",
         f"Shape: B={args['batch']} T={args['seq_len']} H={args['heads']} d={args['head_dim']} "
-        f"{args['dtype']} {'causal' if args['causal'] else 'non-causal'}; blocks: each "
+        f"{args['dtype']} {'causal' if args['causal'] else 'non-causal'}"
+        f"{'' if not args.get('window') else ', window of ' + str(args['window']) + ' keys'}"
+        "; blocks: each "
         f"kernel's default, and {args['block']}x{args['block']} for all ('equal').",
         "NOT wall time: no DMA waits, no HBM bandwidth, no stalls. Per TensorCore. The ms use a",
         "clock derived from JAX's chip table (see chip_clock). They rank kernels and blocks;",
