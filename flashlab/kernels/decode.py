@@ -86,9 +86,11 @@ def _decode_kernel(*refs, cfg: DecodeConfig, names: RefNames):
         for h in range(cfg.num_kv_heads):          # static: one page serves all G heads
             k = stack(k_refs, h, D)                                   # [n*ps, d]
             sc = jax.lax.dot_general(q_ref[h], k, (((1,), (1,)), ((), ())),
-                                     preferred_element_type=jnp.float32) * cfg.scale
-            if cfg.soft_cap is not None:
-                sc = cfg.soft_cap * jnp.tanh(sc / cfg.soft_cap)
+                                     preferred_element_type=jnp.float32)
+            if cfg.soft_cap is None:
+                sc = sc * cfg.scale
+            else:                                 # one multiply per score, no divide
+                sc = cfg.soft_cap * jnp.tanh(sc * (cfg.scale / cfg.soft_cap))
             state = online_softmax.State(jnp.max(m_ref[h], axis=-1),
                                          jnp.max(l_ref[h], axis=-1), acc_ref[h])
             m, l, acc = online_softmax.update(state, sc, stack(v_refs, h, Dv),

@@ -58,28 +58,28 @@ def score_tile(ins, cfg: ForwardConfig, q_start, k_start, q_len, kv_len):
     """One ``[B_r, B_c]`` tile of logits and its visibility, from the operand refs ``ins``.
 
     ``s = cap·tanh(scale·Q_i K_jᵀ / cap) + bias`` in float32, and the one mask definition
-    (:func:`tile_visible`). Also returns ``tanh(·)`` (``None`` without a soft cap)
-    for the soft cap's gradient. With ``cfg.log2_scores`` the logits are in log2 units,
-    ``s₂ = (scale·log2(e)·Q_i) K_jᵀ + log2(e)·bias``: the scale is applied to the ``[B_r, d]``
-    query block (rounded to its dtype before the matmul) instead of to ``[B_r, B_c]`` scores.
+    (:func:`tile_visible`). A factor of the scores is folded into the ``[B_r, d]`` query block
+    (rounded to its dtype before the matmul) rather than applied to the ``[B_r, B_c]`` scores:
+    ``scale/cap`` under a soft cap (``tanh``'s argument), else ``scale·log2(e)`` with
+    ``cfg.log2_scores``, whose logits are in log2 units (``s₂ = cap·log2(e)·tanh(·)``, or
+    ``(scale·log2(e)·Q_i) K_jᵀ``, plus ``log2(e)·bias``).
     """
     nt = (((1,), (1,)), ((), ()))                                               # Q Kᵀ
-    if cfg.log2_scores:
-        q = ins["q"][...]
-        q = (q.astype(jnp.float32) * (cfg.scale * LOG2E)).astype(q.dtype)
-        s = jax.lax.dot_general(q, ins["k"][...], nt, preferred_element_type=jnp.float32)
-        if "bias" in ins:
-            s = s + scores_block(ins, "bias", cfg) * LOG2E
-        return s, None, tile_visible(ins, cfg, q_start, k_start, q_len, kv_len)
-    s = jax.lax.dot_general(ins["q"][...], ins["k"][...], nt,
-                            preferred_element_type=jnp.float32) * cfg.scale
-    t = None
+    unit = LOG2E if cfg.log2_scores else 1.0
+    fold = (cfg.scale / cfg.soft_cap if cfg.soft_cap is not None
+            else cfg.scale * unit if cfg.log2_scores else None)
+    q = ins["q"][...]
+    if fold is not None:
+        q = (q.astype(jnp.float32) * fold).astype(q.dtype)
+    s = jax.lax.dot_general(q, ins["k"][...], nt, preferred_element_type=jnp.float32)
     if cfg.soft_cap is not None:
-        t = jnp.tanh(s / cfg.soft_cap)
-        s = cfg.soft_cap * t
+        s = (cfg.soft_cap * unit) * jnp.tanh(s)
+    elif fold is None:
+        s = s * cfg.scale
     if "bias" in ins:
-        s = s + scores_block(ins, "bias", cfg)
-    return s, t, tile_visible(ins, cfg, q_start, k_start, q_len, kv_len)
+        b = scores_block(ins, "bias", cfg)
+        s = s + (b * LOG2E if cfg.log2_scores else b)
+    return s, tile_visible(ins, cfg, q_start, k_start, q_len, kv_len)
 
 
 def scores_block(ins, name: str, cfg: ForwardConfig):
@@ -197,7 +197,7 @@ def _forward_kernel(*refs, cfg: ForwardConfig, names: RefNames):
         unmasked = not (p.masked or cfg.mask_q_len or cfg.mask_kv_len)
         pcfg = dataclasses.replace(cfg, block_q=nq, block_k=nk,
                                    is_causal=cfg.is_causal and not unmasked)
-        s, _, visible = score_tile(view, pcfg, q_start + p.q_lo, k_start + p.k_lo,
+        s, visible = score_tile(view, pcfg, q_start + p.q_lo, k_start + p.k_lo,
                                    q_len, kv_len)                # [nq, nk]
         # m and l stay lane-replicated [rows, 128] and are updated elementwise: the tile's
         # row max and row sum are the only cross-lane reductions of a step.

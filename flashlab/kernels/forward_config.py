@@ -334,11 +334,10 @@ KEEP_NATURAL_SCORES = frozenset({("v5e", True), ("v5p", True)})
 
 
 def _log2_scores(cfg: ForwardConfig) -> bool:
-    """Fold ``scale·log2(e)`` into the query block (:data:`KEEP_NATURAL_SCORES` says where not:
-    a tile in one chain there). Never with a soft cap (``tanh`` needs the scaled logit
-    first)."""
-    return cfg.soft_cap is None and (cfg.chunk_rows is not None or (
-        cfg.chip, cfg.masks_tile) not in KEEP_NATURAL_SCORES)
+    """Softmax in base 2: fold ``scale·log2(e)`` into the query block (``log2(e)`` into the
+    soft cap's ``cap``), except where :data:`KEEP_NATURAL_SCORES` says not (a tile in one
+    chain there)."""
+    return cfg.chunk_rows is not None or (cfg.chip, cfg.masks_tile) not in KEEP_NATURAL_SCORES
 
 
 #: The largest share of the dense grid's steps a visit list may keep and still be chosen by
