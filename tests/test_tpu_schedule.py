@@ -130,6 +130,9 @@ def test_role_of(name, role):
     (["--window", "0"], "--window: expected a positive integer"),
     (["--window", "1024", "--update", "x.json"], "--window 1024: not with --update"),
     (["--window", "1024", "--blocks-table", "x.json"], "--window 1024: not with --update"),
+    (["--soft-cap", "0"], "--soft-cap: expected a positive finite number, got 0.0"),
+    (["--soft-cap", "nan"], "--soft-cap: expected a positive finite number, got nan"),
+    (["--soft-cap", "30", "--update", "x.json"], "--soft-cap 30.0: not with --update"),
 ])
 def test_bench_cli_validation(args, match, capsys):
     from flashlab.benchmarks import backends as bench
@@ -192,6 +195,23 @@ def test_live_compile_bench_with_a_window():
         assert r["window"] == [1024, 0] and r["tiles"] == 2 * 21, r
         assert r["flops"] == bts.forward_flops(1, 2, 4096, 128, True, (1024, 0))
     assert by["flashlab"]["ratio_splash"] > 0 and "window=(1024, 0)" in rep.shape_of(by["splash"])
+
+
+@needs_libtpu
+def test_live_compile_bench_with_a_soft_cap():
+    """``--soft-cap``: both libraries' gradients compile with the cap, the rows and the whole
+    backward say so in their shape, and jax's kernel, which has none, is a row that says so."""
+    from flashlab.benchmarks import tpu_static as bts
+    from flashlab.benchmarks import tpu_static_report as rep
+    rows, _ = bts.measure(chips=["v6e"], libraries=["flashlab", "splash", "jax_pallas_flash"],
+                          modes=["equal"], kernels=["forward", "dq", "dkdv", "fused"],
+                          block=512, batch=1, seq_len=2048, heads=1, soft_cap=30.0,
+                          progress=False)
+    assert all(r["soft_cap"] == 30.0 for r in rows)
+    assert {r["library"] for r in rows if "error" in r} == {"jax_pallas_flash"}
+    whole = rep.backward_rows(rows)
+    assert {r["library"] for r in whole} == {"flashlab", "splash"}
+    assert all("soft cap 30" in rep.shape_of(r) for r in whole)
 
 
 @needs_libtpu

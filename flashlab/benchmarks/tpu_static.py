@@ -26,7 +26,7 @@ from pathlib import Path
 from flashlab.benchmarks.tpu_static_report import (
     BACKWARD_ROLES, BACKWARD_VARIANTS, LIBRARIES, MATMULS, header, table, update_rows)
 from flashlab.benchmarks.tpu_static_builders import (  # build: the child's entry point
-    build, forward_flops, window_of)
+    OPTIONS_JAX_LACKS, build, forward_flops, window_of)
 from flashlab.instruments import tpu_dump
 
 __all__ = ["build", "measure", "chip_clock", "main", "parser", "window_of", "forward_flops"]
@@ -98,8 +98,8 @@ def _row(k: tpu_dump.KernelDump, blocks, *, chip, library, mode, batch, seq_len,
     forward's query strips or the fused backward's kv strips), its tiles per (batch, head)
     (:func:`diagonal.forward_visits`, :func:`diagonal.visits`);
     ``dq_chunks``: the fused backward's query chunks (:func:`backward_config.dq_chunks`);
-    ``window``: the run's ``(left, right)`` window or ``None`` (the row then has no
-    ``window`` field, as every stored run)."""
+    ``window``: the run's ``(left, right)`` window or ``None`` (its tiles and FLOPs count
+    the band)."""
     from flashlab.instruments import tpu_schedule
     s = k.schedule
     bq, bk = blocks
@@ -136,8 +136,6 @@ def _row(k: tpu_dump.KernelDump, blocks, *, chip, library, mode, batch, seq_len,
              est_ms=cycles / hz * 1e3 if hz else None,
              floor_ms=flops / peak * 1e3 if peak else None,
              op_mix=s.op_mix, unit_busy=s.unit_busy, unit_capacity=s.unit_capacity)
-    if window is not None:
-        r["window"] = list(window)
     r["ratio_floor"] = r["est_ms"] / r["floor_ms"] if hz else None
     if timeline:
         cols = list(s.unit_capacity)
@@ -149,13 +147,14 @@ def _row(k: tpu_dump.KernelDump, blocks, *, chip, library, mode, batch, seq_len,
 def measure(*, chips, libraries=LIBRARIES, modes=("default", "equal"), block=512, batch=2,
             seq_len=8192, heads=16, head_dim=128, dtype="bfloat16", causal=True,
             kernels=tuple(MATMULS), timeline_chip=None, timeout=1800, progress=True,
-            jobs_in_parallel=1, sweep=(), window=None):
+            jobs_in_parallel=1, sweep=(), window=None, soft_cap=None):
     """Compile and read every (chip, library, block mode); returns ``(rows, versions)``.
 
     ``jobs_in_parallel``: compiles at once (each a child process of ~1-3 GB).
     ``sweep``: ``(block_q, block_k)`` pairs, each one more mode (rows with ``blocks="sweep"``).
-    ``window``: ``(left, right)`` for every library (:func:`window_of`); jax's kernel has none,
-    so its rows record that as their error.
+    ``window``: ``(left, right)`` for every library (:func:`window_of`); ``soft_cap``: the
+    logits' soft cap for every library. jax's kernel has neither, so its rows record that as
+    their error. Rows of such a run carry ``window`` / ``soft_cap``.
     """
     modes = list(modes) + [("sweep", tuple(p)) for p in sweep]
     jobs = [(c, lib, m, bwd) for c in chips for lib in libraries for m in modes
@@ -172,13 +171,14 @@ def measure(*, chips, libraries=LIBRARIES, modes=("default", "equal"), block=512
     rows, versions = [], {}
     shape = dict(batch=batch, seq_len=seq_len, heads=heads, head_dim=head_dim)
     window = None if window is None else tuple(window)
-    extra = {} if window is None else {"window": window}    # stored runs: no window argument
+    extra = {k: v for k, v in (("window", window), ("soft_cap", soft_cap)) if v is not None}
+    tag = {k: list(v) if k == "window" else v for k, v in extra.items()}   # on every row
 
     def one(job):
         c, lib, m, bwd = job
         blk = None if m == "default" else m[1] if isinstance(m, tuple) else block
-        if window is not None and lib == "jax_pallas_flash":
-            return NotImplementedError("no sliding window in jax's flash_attention")
+        if extra and lib == "jax_pallas_flash":
+            return NotImplementedError(OPTIONS_JAX_LACKS)
         if lib.startswith("flashlab"):    # flashlab's own VMEM check refusing the blocks
             # (its default backward, or its split one) is a result, not a crash of the run
             try:
@@ -216,8 +216,7 @@ def measure(*, chips, libraries=LIBRARIES, modes=("default", "equal"), block=512
             for role in (("dq", "dkdv") if bwd else ("forward",)):
                 if role in kernels or (role == "dkdv" and "fused" in kernels):
                     rows.append(dict(chip=c, library=lib, kernel=role, blocks=m, **pair,
-                                     **shape, causal=causal, **(
-                                         {} if window is None else {"window": list(window)}),
+                                     **shape, causal=causal, **tag,
                                      error=" ".join(str(e).split())[:300]))
         else:
             versions = dict(jax=d.jax_version, libtpu=d.libtpu_version)
@@ -229,7 +228,7 @@ def measure(*, chips, libraries=LIBRARIES, modes=("default", "equal"), block=512
                     per_head = d.info["blocks"].get("chunk_visits", (0, 0)) if (
                         role == "forward") else (0, 0)      # partial tiles, their chunks
                     k = dataclasses.replace(k, role=role)
-                    rows.append(_row(k, blocks, chip=c, library=lib, mode=m,
+                    rows.append(tag | _row(k, blocks, chip=c, library=lib, mode=m,
                                      causal=causal, timeline=(c == timeline_chip and m == "equal"),
                                      chunk_visits=per_head, **shape,
                                      dq_chunks=d.info["blocks"].get("dq_chunks") or 1,
@@ -316,6 +315,9 @@ def parser() -> argparse.ArgumentParser:
                         "before it (and itself; with --no-causal also the LEFT after it); "
                         "jax's kernel has none. Not with --update or --blocks-table (the "
                         "stored runs and default blocks have no window)")
+    p.add_argument("--soft-cap", type=float, metavar="CAP",
+                   help="cap·tanh(logits / cap) for every library (jax's kernel has none); "
+                        "not with --update or --blocks-table")
     p.add_argument("--timeout", type=_positive("--timeout"), default=1800,
                    help="seconds per compile (default 1800: a loaded 2-core machine needs it)")
     p.add_argument("--sweep", nargs="+", metavar="BQxBK", default=[],
@@ -359,9 +361,12 @@ def main(argv=None) -> int:
         if a.seq_len % bq or a.seq_len % bk:
             p.error(f"--sweep: --seq-len {a.seq_len} is not a multiple of {text!r}")
         sweep.append((bq, bk))
-    if a.window is not None and (a.update or a.blocks_table):
-        p.error(f"--window {a.window}: not with --update or --blocks-table (the stored runs "
-                "and the default blocks are measured without a window)")
+    if a.soft_cap is not None and not (a.soft_cap > 0 and math.isfinite(a.soft_cap)):
+        p.error(f"--soft-cap: expected a positive finite number, got {a.soft_cap}")
+    for name, v in (("--window", a.window), ("--soft-cap", a.soft_cap)):
+        if v is not None and (a.update or a.blocks_table):
+            p.error(f"{name} {v}: not with --update or --blocks-table (the stored runs and "
+                    "the default blocks are measured without one)")
     if not a.blocks and not sweep:
         p.error("--blocks: none given and no --sweep pairs: nothing to measure")
     from flashlab.instruments import tpu_compile
@@ -372,7 +377,7 @@ def main(argv=None) -> int:
         seq_len=a.seq_len, heads=a.heads, head_dim=a.head_dim, dtype=a.dtype, causal=a.causal,
         kernels=a.kernel, timeline_chip=a.timeline_chip, timeout=a.timeout,
         progress=not a.no_progress, jobs_in_parallel=a.jobs, sweep=sweep,
-        window=window_of(a.window, a.causal))
+        window=window_of(a.window, a.causal), soft_cap=a.soft_cap)
     args = report_run(a, argv, "tpu-static", rows, versions, header=header, table=table)
     if a.update:
         update_rows(a.update, rows, versions=versions, command=args["command"],

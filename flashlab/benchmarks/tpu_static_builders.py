@@ -8,11 +8,16 @@ abstract inputs (``build``, run in :func:`flashlab.instruments.tpu_dump.schedule
 
 ``window``: ``None``, or the ``(left, right)`` sliding window every library gets (flashlab's
 ``local_window_size``, splash's ``LocalMask``; query ``i`` sees keys ``i - left .. i + right``,
-and no key past ``i`` when causal). jax's kernel has no window: its builder refuses one.
+and no key past ``i`` when causal). ``soft_cap``: ``None``, or the ``cap`` of
+``cap·tanh(logits / cap)`` (flashlab's ``logits_soft_cap``, splash's
+``attn_logits_soft_cap``). jax's kernel has neither: its builder refuses them.
 """
 from __future__ import annotations
 
-__all__ = ["build", "BUILDERS", "window_of", "forward_flops"]
+__all__ = ["build", "BUILDERS", "window_of", "forward_flops", "OPTIONS_JAX_LACKS"]
+
+#: What jax's ``flash_attention`` rows say under ``--window`` or ``--soft-cap``.
+OPTIONS_JAX_LACKS = "jax's flash_attention has no sliding window and no soft cap"
 
 
 def window_of(left: int | None, causal: bool) -> tuple[int, int] | None:
@@ -35,13 +40,15 @@ def forward_flops(batch, heads, seq_len, head_dim, causal, window=None) -> float
     return 4.0 * batch * heads * head_dim * seen
 
 
-def _flashlab_split(chip, backward, causal, block, shape, dtype, window=None):
+def _flashlab_split(chip, backward, causal, block, shape, dtype, window=None, soft_cap=None):
     """flashlab with ``backward="split"`` (its dK/dV and dQ kernels), where ``flashlab`` runs
     what ``backward="auto"`` picks (the fused kernel wherever its resident dQ fits)."""
-    return _flashlab(chip, backward, causal, block, shape, dtype, window, which="split")
+    return _flashlab(chip, backward, causal, block, shape, dtype, window, soft_cap,
+                     which="split")
 
 
-def _flashlab(chip, backward, causal, block, shape, dtype, window=None, which="auto"):
+def _flashlab(chip, backward, causal, block, shape, dtype, window=None, soft_cap=None,
+              which="auto"):
     import jax
     from flashlab.contract import masks
     from flashlab.kernels import backward_grid, diagonal
@@ -54,7 +61,7 @@ def _flashlab(chip, backward, causal, block, shape, dtype, window=None, which="a
 
     def probe(q, k, v):                      # the blocks as the kernels resolve them
         q, k, v, spec = masks.validate(q, k, v, None, None, is_causal=causal,
-                                       local_window_size=window)
+                                       local_window_size=window, logits_soft_cap=soft_cap)
         f = forward_config.make_config(spec, block_q=bq, block_k=bk, chip=chip)
         got["fwd"] = (f.block_q, f.block_k)
         got["forward_cases"] = diagonal.forward_visits(f)     # query strips, else row chunks
@@ -69,8 +76,8 @@ def _flashlab(chip, backward, causal, block, shape, dtype, window=None, which="a
 
     def f(q, k, v):      # the blocks a user gets: passing fb would size the backward by them
         return flash.flash_attention(q, k, v, is_causal=causal, block_q=bq, block_k=bk,
-                                     local_window_size=window, interpret=False, chip=chip,
-                                     backward=which)
+                                     local_window_size=window, logits_soft_cap=soft_cap,
+                                     interpret=False, chip=chip, backward=which)
     info = {"forward": list(fb), "dq": got["bwd"], "dkdv": got["bwd"],
             "fused": bool(got["fused"]), "dq_chunks": int(got["fused"]),
             "fused_cases": list(got["cases"]), "forward_cases": list(got["forward_cases"]),
@@ -78,14 +85,15 @@ def _flashlab(chip, backward, causal, block, shape, dtype, window=None, which="a
     return f, (x, x, x), info
 
 
-def _splash_fused(chip, backward, causal, block, shape, dtype, window=None):
+def _splash_fused(chip, backward, causal, block, shape, dtype, window=None, soft_cap=None):
     """splash with its own fused backward (``use_fused_bwd_kernel``): one dK/dV kernel that
     also writes a dQ partial per kv block in the inputs' dtype, ``[T_c, B, H, T, d]`` in HBM,
     summed by XLA after (that sum and those bytes are not on the static schedule)."""
-    return _splash(chip, backward, causal, block, shape, dtype, window, fused=True)
+    return _splash(chip, backward, causal, block, shape, dtype, window, soft_cap, fused=True)
 
 
-def _splash(chip, backward, causal, block, shape, dtype, window=None, fused=False):
+def _splash(chip, backward, causal, block, shape, dtype, window=None, soft_cap=None,
+            fused=False):
     import jax
     from flashlab.compat.pallas import official_splash_attention
     sa = official_splash_attention()
@@ -103,17 +111,16 @@ def _splash(chip, backward, causal, block, shape, dtype, window=None, fused=Fals
     if not block and not fused:
         assert bs == sa.BlockSizes.get_default(), "splash's defaults moved: update the bench"
     kernel = sa.make_splash_mha(sa.MultiHeadMask([one] * H), block_sizes=bs, head_shards=1,
-                                q_seq_shards=1)
+                                q_seq_shards=1, attn_logits_soft_cap=soft_cap)
     info = {"forward": [bs.block_q, bs.block_kv], "dq": [bs.block_q_dq, bs.block_kv_dq],
             "dkdv": [bs.block_q_dkv, bs.block_kv_dkv], "fused": fused}
     return jax.vmap(kernel), (x, x, x), info
 
 
-def _jax_flash(chip, backward, causal, block, shape, dtype, window=None):
+def _jax_flash(chip, backward, causal, block, shape, dtype, window=None, soft_cap=None):
     import jax
-    if window is not None:
-        raise NotImplementedError(f"window={window}: jax's flash_attention has no sliding "
-                                  "window (causal or none only)")
+    if window is not None or soft_cap is not None:
+        raise NotImplementedError(OPTIONS_JAX_LACKS)
     from flashlab.compat.pallas import official_flash_attention
     fa = official_flash_attention()
     B, T, H, d = shape
@@ -137,15 +144,15 @@ BUILDERS = {"flashlab": _flashlab, "splash": _splash, "jax_pallas_flash": _jax_f
 
 def build(*, chip: str, library: str, backward: bool, batch: int, seq_len: int, heads: int,
           head_dim: int, dtype: str, causal: bool, block: int | None,
-          window: tuple[int, int] | None = None):
+          window: tuple[int, int] | None = None, soft_cap: float | None = None):
     """``(fn, args, info)`` for :func:`flashlab.instruments.tpu_dump.schedules` (runs in its
     child).
 
     ``fn`` is the library's forward on ``[batch, seq, heads, head_dim]`` (flashlab) or
     ``[batch, heads, seq, head_dim]`` (the official kernels), or ``jax.grad`` of its sum
     w.r.t. q, k, v when ``backward``; ``block``: ``None`` for the library's default blocks,
-    an int for ``block x block`` everywhere, or a pair ``(block_q, block_k)``; ``window``:
-    ``None`` or ``(left, right)`` (module docstring). ``info["blocks"]``: (block_q, block_k) per kernel.
+    an int for ``block x block`` everywhere, or a pair ``(block_q, block_k)``; ``window``
+    and ``soft_cap``: the module docstring's. ``info["blocks"]``: (block_q, block_k) per kernel.
     """
     import jax
     import jax.numpy as jnp
@@ -153,7 +160,7 @@ def build(*, chip: str, library: str, backward: bool, batch: int, seq_len: int, 
         block = (block, block)
     f, args, blocks = BUILDERS[library](chip, backward, causal, block,
                                          (batch, seq_len, heads, head_dim), jnp.dtype(dtype),
-                                         None if window is None else tuple(window))
+                                         None if window is None else tuple(window), soft_cap)
     if backward:
         g = jax.grad(lambda q, k, v: f(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))
         return g, args, {"blocks": blocks}

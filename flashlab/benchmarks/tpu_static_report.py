@@ -135,9 +135,10 @@ def target_table(rows, *, kernel: str = "forward", target: float | None = None) 
 
 
 def shape_of(r) -> str:
-    """A row's shape as a heading: ``B=2 T=8192 H=16 d=128 causal`` (`` window=(L, R)`` for a
-    ``--window`` run)."""
+    """A row's shape as a heading: ``B=2 T=8192 H=16 d=128 causal`` (`` window=(L, R)``,
+    `` soft cap C`` for a run with ``--window``, ``--soft-cap``)."""
     w = f" window=({r['window'][0]}, {r['window'][1]})" if r.get("window") else ""
+    w += f" soft cap {r['soft_cap']:g}" if r.get("soft_cap") else ""
     return (f"B={r.get('batch')} T={r.get('seq_len')} H={r.get('heads')} d={r.get('head_dim')} "
             f"{'causal' if r.get('causal') else 'non-causal'}{w}")
 
@@ -164,6 +165,7 @@ def header(versions: dict, args: dict) -> str:
         f"Shape: B={args['batch']} T={args['seq_len']} H={args['heads']} d={args['head_dim']} "
         f"{args['dtype']} {'causal' if args['causal'] else 'non-causal'}"
         f"{'' if not args.get('window') else ', window of ' + str(args['window']) + ' keys'}"
+        f"{'' if not args.get('soft_cap') else ', soft cap ' + format(args['soft_cap'], 'g')}"
         "; blocks: each "
         f"kernel's default, and {args['block']}x{args['block']} for all ('equal').",
         "NOT wall time: no DMA waits, no HBM bandwidth, no stalls. Per TensorCore. The ms use a",
@@ -227,6 +229,7 @@ def backward_rows(rows) -> list:
         first = ps[0]
         r = {f: first.get(f) for f in ("chip", "blocks", "block_q", "block_k", "batch", "heads",
                                          "seq_len", "head_dim", "causal")}
+        r.update({f: first[f] for f in ("window", "soft_cap") if f in first})   # options
         ms = [p.get("est_ms") for p in ps]
         floor = [p.get("floor_ms") for p in ps]
         r.update(library=k[1], kernel="backward", option="fused" if k[-1] else "split",
