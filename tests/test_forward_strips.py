@@ -151,3 +151,16 @@ def test_only_the_crossed_pieces_build_a_mask(monkeypatch):
     [kernel] = kernel_eqns(lambda q: flash_attention(q, q, q, is_causal=True, block_q=256,
                                                      block_k=256, chip="v5e"), q)
     assert masked == 2 and sum(e.primitive.name == "iota" for e in kernel) == 2 * masked
+
+
+@pytest.mark.parametrize("left, tiles", [(4096, 0), (4300, 55)])
+def test_partial_path_only_where_a_chunk_can_see_nothing(left, tiles):
+    """v5e folds a 512² tile in two row chunks. Under a window whose left side is a multiple
+    of B_c no visible tile holds a chunk that sees nothing, so the kernel builds no partial
+    path (its per-step test cost 20 cycles: 193 -> 173); at 4300 the last tile of each band
+    row (from the tenth q block on: 55 of them per head at T = 32768) holds one, its second
+    chunk, and the path stays."""
+    cfg = make_config(_spec(T=32768, local_window_size=(left, 0)), block_q=512, block_k=512,
+                      chip="v5e")
+    assert cfg.row_chunks == 2 and cfg.partial_tiles == bool(tiles)
+    assert cfg.chunk_visits() == (tiles, tiles)

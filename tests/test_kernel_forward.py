@@ -199,8 +199,8 @@ def test_tpu_interpret_mode_no_races_no_uninitialized_reads(case):
 def test_soft_cap_folds_its_scale_into_the_query_block():
     """Under a soft cap the tile builds ``cap·log2(e)·tanh(((scale/cap)·Q_i) K_jᵀ)``:
     ``scale/cap`` rides on the ``[B_r, d]`` query block, so each ``[B_r, B_c]`` score costs
-    one tanh and one multiply, no divide (v5e's 512² tile: 1433 -> 1345 cycles, its grid
-    step 219 -> 173), and the softmax stays in base 2."""
+    one tanh and one multiply, no divide (v6e's causal 512² tile: 1321 -> 1117 cycles), and
+    the softmax stays in base 2."""
     q = jnp.zeros((1, 256, 1, 128), jnp.bfloat16)
     k = jnp.zeros((1, 512, 1, 128), jnp.bfloat16)
     [kernel] = kernel_eqns(lambda q, k: flash_attention(q, k, k, logits_soft_cap=30.0,
@@ -210,6 +210,22 @@ def test_soft_cap_folds_its_scale_into_the_query_block():
                  if [getattr(v.aval, "shape", ()) for v in e.outvars] == [(128, 256)]]
     assert "div" not in per_score and "exp" not in per_score
     assert per_score.count("tanh") == 1 and per_score.count("mul") == 1
+
+
+
+@pytest.mark.parametrize("chip, bq, bk, folded", [
+    ("v5e", 512, 512, True), ("v5e", 1024, 1024, True), ("v5e", 2048, 2048, False),
+    ("v5e", 2048, 1024, False), ("v5p", 2048, 2048, False), ("v6e", 2048, 2048, True),
+    ("v4", 2048, 512, True)])
+def test_soft_cap_stays_unfolded_where_measured_to_pack_better(chip, bq, bk, folded):
+    """forward_config.SOFT_CAP_UNFOLDED: v5e and v5p keep ``cap·tanh(scale·s / cap)`` on
+    natural logits for a tile in row chunks of 512 rows (2048²: 19074 against 21605 cycles
+    folded on v5e); every other tile folds and runs in base 2."""
+    from flashlab.kernels.forward_config import make_config
+    x = jnp.zeros((1, 8192, 1, 128), jnp.bfloat16)
+    *_, spec = validate(x, x, x, is_causal=True, logits_soft_cap=50.0)
+    cfg = make_config(spec, block_q=bq, block_k=bk, chip=chip)
+    assert (cfg.cap_in_query, cfg.log2_scores) == (folded, folded)
 
 
 def _chunked(monkeypatch, chunks=4):
@@ -237,6 +253,23 @@ def test_row_chunks_match_the_oracle(monkeypatch, option):
     *_, spec = validate(*(jnp.asarray(x) for x in (q, k, v)), **kw)
     cfg = make_config(spec, block_q=128, block_k=128, chip="v5e")
     assert (cfg.chunk_rows, cfg.row_chunks) == (32, 4)
+    _check(q, k, v, kw, block_q=128, block_k=128, chip="v5e")
+
+
+def test_unfolded_soft_cap_matches_the_oracle(monkeypatch):
+    """Where the soft cap stays unfolded (forward_config.SOFT_CAP_UNFOLDED, here made to cover
+    the test's 32-row chunks) the tile computes ``cap·tanh(scale·s / cap)`` on natural logits:
+    the same attention as the folded base-2 one."""
+    from flashlab.kernels import forward_config
+    _chunked(monkeypatch)
+    monkeypatch.setattr(forward_config, "SOFT_CAP_UNFOLDED", frozenset({("v5e", 32)}))
+    rng = np.random.default_rng(13)
+    B, T, S, N, K, H = 2, 200, 300, 4, 2, 64
+    q, k, v = random_qkv(rng, B, T, S, N, K, H)
+    kw = mask_kwargs("soft_cap", rng, B, T, S, N)
+    *_, spec = validate(*(jnp.asarray(x) for x in (q, k, v)), **kw)
+    cfg = forward_config.make_config(spec, block_q=128, block_k=128, chip="v5e")
+    assert (cfg.chunk_rows, cfg.cap_in_query, cfg.log2_scores) == (32, False, False)
     _check(q, k, v, kw, block_q=128, block_k=128, chip="v5e")
 
 

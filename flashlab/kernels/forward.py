@@ -60,22 +60,22 @@ def score_tile(ins, cfg: ForwardConfig, q_start, k_start, q_len, kv_len):
     ``s = cap·tanh(scale·Q_i K_jᵀ / cap) + bias`` in float32, and the one mask definition
     (:func:`tile_visible`). A factor of the scores is folded into the ``[B_r, d]`` query block
     (rounded to its dtype before the matmul) rather than applied to the ``[B_r, B_c]`` scores:
-    ``scale/cap`` under a soft cap (``tanh``'s argument), else ``scale·log2(e)`` with
-    ``cfg.log2_scores``, whose logits are in log2 units (``s₂ = cap·log2(e)·tanh(·)``, or
-    ``(scale·log2(e)·Q_i) K_jᵀ``, plus ``log2(e)·bias``).
+    ``scale/cap`` under a soft cap (``tanh``'s argument; ``cfg.cap_in_query``), else
+    ``scale·log2(e)`` with ``cfg.log2_scores``, whose logits are in log2 units
+    (``s₂ = cap·log2(e)·tanh(·)``, or ``(scale·log2(e)·Q_i) K_jᵀ``, plus ``log2(e)·bias``).
     """
     nt = (((1,), (1,)), ((), ()))                                               # Q Kᵀ
     unit = LOG2E if cfg.log2_scores else 1.0
-    fold = (cfg.scale / cfg.soft_cap if cfg.soft_cap is not None
-            else cfg.scale * unit if cfg.log2_scores else None)
+    fold = (cfg.scale / cfg.soft_cap if cfg.cap_in_query
+            else cfg.scale * unit if cfg.log2_scores and cfg.soft_cap is None else None)
     q = ins["q"][...]
     if fold is not None:
         q = (q.astype(jnp.float32) * fold).astype(q.dtype)
     s = jax.lax.dot_general(q, ins["k"][...], nt, preferred_element_type=jnp.float32)
-    if cfg.soft_cap is not None:
-        s = (cfg.soft_cap * unit) * jnp.tanh(s)
-    elif fold is None:
+    if fold is None:
         s = s * cfg.scale
+    if cfg.soft_cap is not None:    # unfolded (SOFT_CAP_UNFOLDED): tanh(scale·s / cap)
+        s = (cfg.soft_cap * unit) * jnp.tanh(s if fold is not None else s / cfg.soft_cap)
     if "bias" in ins:
         b = scores_block(ins, "bias", cfg)
         s = s + (b * LOG2E if cfg.log2_scores else b)

@@ -9,6 +9,7 @@ reuses it with its own blocks.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax.numpy as jnp
@@ -81,6 +82,13 @@ class ForwardConfig:
                 and self.bias_bcast is None and self.mask_bcast is None and not self.has_segments)
 
     @property
+    def cap_in_query(self) -> bool:
+        """Under a soft cap, whether ``scale/cap`` rides on the query block (one multiply and
+        one ``tanh`` per score, base-2 softmax); :data:`SOFT_CAP_UNFOLDED` says where the
+        unfolded form, ``cap·tanh(scale·s / cap)`` on natural logits, packs better."""
+        return self.soft_cap is not None and (self.chip, self.chunk_rows) not in SOFT_CAP_UNFOLDED
+
+    @property
     def row_chunks(self) -> int:
         """How many row chunks the forward folds one tile in (:data:`FORWARD_ROW_CHUNKS`)."""
         return 1 if self.chunk_rows is None else self.block_q // self.chunk_rows
@@ -97,9 +105,12 @@ class ForwardConfig:
         ``block_q > block_k``, or a window, in row chunks): the kernel then runs such a tile
         by a second path, its visible chunks only (:meth:`chunk_visits` counts them), unless it
         cuts crossed tiles into query strips
-        (:func:`~flashlab.kernels.diagonal.forward_cases`), which run only what they see."""
+        (:func:`~flashlab.kernels.diagonal.forward_cases`), which run only what they see. Only
+        where some visible tile does hold such a chunk (:func:`_chunk_unseen_somewhere`, from
+        positions; with q/kv offsets they are known at run time only, and the path stays)."""
         return self.row_chunks > 1 and (self.window is not None or (
-            self.is_causal and self.block_q > self.block_k))
+            self.is_causal and self.block_q > self.block_k)) and (
+            self.has_offsets or _chunk_unseen_somewhere(self))
 
     def chunks_seen(self, q_start, k_start) -> list:
         """Per row chunk of the tile at ``(q_start, k_start)``: whether it may see any of the
@@ -181,6 +192,18 @@ class ForwardConfig:
                                  block_k=self.block_k, is_causal=self.is_causal,
                                  window=self.window, transposed=transposed,
                                  q_chunks=q_chunks)
+
+
+@functools.lru_cache(maxsize=64)
+def _chunk_unseen_somewhere(cfg: ForwardConfig) -> bool:
+    """Whether some visible tile holds a row chunk that sees none of its keys (causal and
+    window, from positions alone). A window whose left side is a multiple of ``B_c`` leaves
+    none at ``B_r = B_c``, and there the partial path's per-step test was pure cost (v5e,
+    512², causal T=32768 with a 4096 window: grid step 193 -> 173 cycles)."""
+    pairs = ([visit.unpack(int(v))[:2] for v in cfg.visits()] if cfg.visit_grid else
+             [(i, j) for i in range(cfg.num_q_blocks) for j in range(cfg.num_kv_blocks)])
+    return any(0 < sum(map(bool, cfg.chunks_seen(i * cfg.block_q, j * cfg.block_k)))
+               < cfg.row_chunks for i, j in pairs)
 
 
 def block_kwargs(spec: AttentionSpec) -> dict:
@@ -333,10 +356,22 @@ def _chunk_cols(cfg: ForwardConfig) -> int | None:
 KEEP_NATURAL_SCORES = frozenset({("v5e", True), ("v5p", True)})
 
 
+#: Where the forward's soft cap keeps its unfolded form (:attr:`ForwardConfig.cap_in_query`):
+#: (chip, rows of a row chunk). Folding ``scale/cap`` into the query block takes a divide and
+#: a multiply off every score and keeps the softmax in base 2 (causal T=8192, cap 50, one
+#: tile: 512² v4 2012 -> 1782 cycles, v5e 1433 -> 1345, v5p 1439 -> 1359, v6e 1321 -> 1117,
+#: 7x 1355 -> 1144; 2048² v6e 12606 -> 11316, 7x 14285 -> 12491; v4 2048 × 512 7901 -> 6909;
+#: v5e 1024² 4828 -> 4823), but v5e and v5p pack a tile in row chunks of 512 rows worse with
+#: it (2048²: v5e 19074 -> 21605, v5p 19141 -> 21723; 2048 × 1024: 9724 -> 9937, 9453 -> 9887).
+SOFT_CAP_UNFOLDED = frozenset({("v5e", 512), ("v5p", 512)})
+
+
 def _log2_scores(cfg: ForwardConfig) -> bool:
     """Softmax in base 2: fold ``scale·log2(e)`` into the query block (``log2(e)`` into the
     soft cap's ``cap``), except where :data:`KEEP_NATURAL_SCORES` says not (a tile in one
-    chain there)."""
+    chain there) and where a soft cap stays unfolded (:data:`SOFT_CAP_UNFOLDED`)."""
+    if cfg.soft_cap is not None and not cfg.cap_in_query:
+        return False
     return cfg.chunk_rows is not None or (cfg.chip, cfg.masks_tile) not in KEEP_NATURAL_SCORES
 
 
