@@ -202,3 +202,21 @@ def test_each_stored_run_is_one_run_of_the_bench():
     text = tpu_static_report.target_tables_by_shape(both["rows"])
     for run in both["runs"]:
         assert f"(commit {run['args']['commit']})" in text
+
+
+def test_each_stored_option_run_is_one_run_of_the_bench():
+    """The option runs (``--window``, ``--soft-cap``) are one run each, installed as they came
+    out, every row carrying its option; jax's kernel, which has neither, is an error row on
+    every chip, and flashlab and splash are measured on all five."""
+    for p, option in zip(static_table.STORED_OPTIONS, ("window", "soft_cap")):
+        doc = static_table.stored(p)
+        a = doc["args"]
+        assert a["commit"] and a["command"].startswith("python -m flashlab bench tpu-static")
+        assert a[option] and all(r.get(option) for r in doc["rows"]), p
+        assert "updates" not in doc and not any("commit" in r for r in doc["rows"]), p
+        jax_rows = [r for r in doc["rows"] if r["library"] == "jax_pallas_flash"]
+        assert jax_rows and all("no sliding window and no soft cap" in r["error"]
+                                for r in jax_rows)
+        for lib in ("flashlab", "splash"):
+            ok = {r["chip"] for r in doc["rows"] if r["library"] == lib and "error" not in r}
+            assert ok == {"v4", "v5e", "v5p", "v6e", "7x"}, (p, lib)

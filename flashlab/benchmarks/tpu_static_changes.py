@@ -21,9 +21,10 @@ def stored_before(name: str) -> dict:
     ``"forward_strips_before"`` (the forward with its crossed tiles whole and the finalize's
     empty-row test), ``"backward_fold_before"`` (the fused backward before its folded grid and
     first-visit write), ``"causal_interior_before"`` (the forward and fused backward before
-    their causal interior tiles stopped building a mask; chapter 05 and 07 set these against a
-    run with
-    :func:`tpu_static_report.before_after_table`)."""
+    their causal interior tiles stopped building a mask), ``"soft_cap_before"`` (the forward
+    under a soft cap before it folded ``scale/cap`` into the query block; against the
+    ``--soft-cap`` run, :data:`flashlab.dispatch.static_table.STORED_OPTIONS`). Chapters 05
+    and 07 set these against a run with :func:`tpu_static_report.before_after_table`."""
     return json.loads((DATA / f"{name}.json").read_text())
 
 
