@@ -212,7 +212,6 @@ def test_soft_cap_folds_its_scale_into_the_query_block():
     assert per_score.count("tanh") == 1 and per_score.count("mul") == 1
 
 
-
 @pytest.mark.parametrize("chip, bq, bk, folded", [
     ("v5e", 512, 512, True), ("v5e", 1024, 1024, True), ("v5e", 2048, 2048, False),
     ("v5e", 2048, 1024, False), ("v5p", 2048, 2048, False), ("v6e", 2048, 2048, True),

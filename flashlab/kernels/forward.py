@@ -198,7 +198,7 @@ def _forward_kernel(*refs, cfg: ForwardConfig, names: RefNames):
         pcfg = dataclasses.replace(cfg, block_q=nq, block_k=nk,
                                    is_causal=cfg.is_causal and not unmasked)
         s, visible = score_tile(view, pcfg, q_start + p.q_lo, k_start + p.k_lo,
-                                   q_len, kv_len)                # [nq, nk]
+                                q_len, kv_len)                   # [nq, nk]
         # m and l stay lane-replicated [rows, 128] and are updated elementwise: the tile's
         # row max and row sum are the only cross-lane reductions of a step.
         state = online_softmax.State(m_ref[r, :], l_ref[r, :], acc_ref[r, :])
