@@ -106,11 +106,11 @@ class ForwardConfig:
         by a second path, its visible chunks only (:meth:`chunk_visits` counts them), unless it
         cuts crossed tiles into query strips
         (:func:`~flashlab.kernels.diagonal.forward_cases`), which run only what they see. Only
-        where some visible tile does hold such a chunk (:func:`_chunk_unseen_somewhere`, from
+        where some visible tile does hold such a chunk (:func:`_partial_visits`, from
         positions; with q/kv offsets they are known at run time only, and the path stays)."""
         return self.row_chunks > 1 and (self.window is not None or (
             self.is_causal and self.block_q > self.block_k)) and (
-            self.has_offsets or _chunk_unseen_somewhere(self))
+            self.has_offsets or _partial_visits(self)[0] > 0)
 
     def chunks_seen(self, q_start, k_start) -> list:
         """Per row chunk of the tile at ``(q_start, k_start)``: whether it may see any of the
@@ -126,16 +126,7 @@ class ForwardConfig:
         """``(partial, chunks)`` per (batch, head): the visible tiles that take the partial
         path (:attr:`partial_tiles`) and the row chunks they run, from positions alone (the
         static schedule's estimate counts them)."""
-        if not self.partial_tiles:
-            return 0, 0
-        pairs = ([visit.unpack(int(v))[:2] for v in self.visits()] if self.visit_grid else
-                 [(i, j) for i in range(self.num_q_blocks) for j in range(self.num_kv_blocks)])
-        partial = chunks = 0
-        for i, j in pairs:
-            seen = sum(map(bool, self.chunks_seen(i * self.block_q, j * self.block_k)))
-            if 0 < seen < self.row_chunks:          # seen == 0: an invisible tile, skipped
-                partial, chunks = partial + 1, chunks + seen
-        return partial, chunks
+        return _partial_visits(self) if self.partial_tiles else (0, 0)
 
     def computed_pairs(self) -> int:
         """The (q block, kv block) pairs the kernels compute per (batch, head), from positions
@@ -195,15 +186,20 @@ class ForwardConfig:
 
 
 @functools.lru_cache(maxsize=64)
-def _chunk_unseen_somewhere(cfg: ForwardConfig) -> bool:
-    """Whether some visible tile holds a row chunk that sees none of its keys (causal and
-    window, from positions alone). A window whose left side is a multiple of ``B_c`` leaves
-    none at ``B_r = B_c``, and there the partial path's per-step test was pure cost (v5e,
-    512², causal T=32768 with a 4096 window: grid step 193 -> 173 cycles)."""
+def _partial_visits(cfg: ForwardConfig) -> tuple[int, int]:
+    """``(tiles, chunks)`` per (batch, head): the visible tiles holding a row chunk that sees
+    none of their keys (causal and window, from positions alone) and the chunks that do see
+    one. A window whose left side is a multiple of ``B_c`` leaves no such tile at
+    ``B_r = B_c``, and there the partial path's per-step test was pure cost (v5e, 512², causal
+    T=32768 with a 4096 window: grid step 193 -> 173 cycles)."""
     pairs = ([visit.unpack(int(v))[:2] for v in cfg.visits()] if cfg.visit_grid else
              [(i, j) for i in range(cfg.num_q_blocks) for j in range(cfg.num_kv_blocks)])
-    return any(0 < sum(map(bool, cfg.chunks_seen(i * cfg.block_q, j * cfg.block_k)))
-               < cfg.row_chunks for i, j in pairs)
+    partial = chunks = 0
+    for i, j in pairs:
+        seen = sum(map(bool, cfg.chunks_seen(i * cfg.block_q, j * cfg.block_k)))
+        if 0 < seen < cfg.row_chunks:              # seen == 0: an invisible tile, skipped
+            partial, chunks = partial + 1, chunks + seen
+    return partial, chunks
 
 
 def block_kwargs(spec: AttentionSpec) -> dict:
