@@ -404,9 +404,9 @@ def test_col_chunks_no_races_in_tpu_interpret_mode(monkeypatch):
 
 def test_col_chunks_only_where_measured_to_pay():
     """forward_config.FORWARD_COL_CHUNK: column chunks of 1024 on v6e and 7x, for a plain tile
-    (or a causal one the query strips leave whole) wider than 1024 whose row chunks keep at
-    least 1024 rows; never on the other chips, for a tile that masks anything else or adds a
-    bias, or for the backward's kernels."""
+    (or a causal one the query strips leave whole, or one inside a window's band) wider than
+    1024 whose row chunks keep at least 1024 rows; never on the other chips, for a tile that
+    masks anything else or adds a bias, or for the backward's kernels."""
     from flashlab.kernels.forward_config import make_config
     q = jnp.zeros((1, 8192, 2, 128), jnp.bfloat16)
 
@@ -419,10 +419,13 @@ def test_col_chunks_only_where_measured_to_pay():
     assert cols("v6e", 1024, 2048) is None                  # row chunks of 512
     assert cols("7x", 2048, 1024) is None                   # no wider than a chunk
     assert cols("v5e", 2048, 2048) is cols("v5p", 2048, 2048) is cols("v4", 1024, 2048) is None
-    # causal alone: the interior tiles the query strips leave whole mask nothing; with a
-    # window every tile is masked and keeps whole rows
+    # causal alone: the interior tiles the query strips leave whole mask nothing; a window
+    # alone: its tiles inside the band (kernels/band.py) mask nothing, its edge tiles keep
+    # whole rows; a window with a length masks every tile
     assert cols("v6e", 2048, 2048, is_causal=True) == 1024
-    assert cols("v6e", 2048, 2048, is_causal=True, local_window_size=(4096, 0)) is None
+    assert cols("v6e", 2048, 2048, is_causal=True, local_window_size=(4096, 0)) == 1024
+    assert cols("v6e", 2048, 2048, is_causal=True, local_window_size=(4096, 0),
+                key_value_seq_lengths=jnp.array([8000])) is None
     assert cols("v6e", 4096, 2048, is_causal=True) is None   # row chunks run one by one there
     assert cols("v6e", 2048, 2048, bias=jnp.zeros((1, 1, 1, 8192), jnp.bfloat16)) is None
     assert cols("v6e", 2048, 2048, backward_blocks=True) is None

@@ -146,3 +146,66 @@ def test_a_measured_block_is_halved_where_half_pads_less():
     for choose in (blk.choose_block_sizes, blk.choose_backward_block_sizes):
         assert choose(2048, 2048, 128, bf16, "v5e", is_causal=True) == (2048, 2048)
         assert choose(3000, 3000, 128, bf16, "v5e", is_causal=True) == (1024, 1024)
+
+
+def test_a_window_prices_each_pair_of_the_stored_window_run(tmp_path, monkeypatch):
+    """Under a window the default is the stored window run's pair (tuned_blocks.band_rows)
+    with the lowest :func:`blocks.band_estimate` at the request's lengths and window: its
+    estimate scaled by the work its tiles do there (step + inside tile each, plus the edge
+    tile's extra where an edge crosses) against the run's. At the run's own shape that is its
+    estimate; a narrower band takes the smaller pair the run ranked second. Without a window,
+    or without rows for the chip, the class's own pair (here: the heuristic)."""
+    import json
+    base = dict(library="flashlab", kernel="forward", chip="v6e", head_dim=128, causal=True,
+                seq_len=32768, window=[4096, 0], step_cycles=100, case_tiles=[1])
+    rows = [dict(base, block_q=512, block_k=512, tile_cycles=1000, case_cycles=[1200]),
+            dict(base, block_q=2048, block_k=2048, tile_cycles=14000, case_cycles=[19000]),
+            dict(base, library="splash", block_q=128, block_k=128, tile_cycles=1,
+                 step_cycles=1)]
+    bf = jnp.bfloat16
+    n = lambda bq, bk, w, f: f(32768 // bq, 32768 // bk, q_len=32768, kv_len=32768,  # noqa
+                               block_q=bq, block_k=bk, is_causal=True, window=w)
+    for r in rows[:2]:                    # an estimate consistent with its parts
+        r["est_cycles"] = (n(r["block_q"], r["block_k"], (4096, 0), blk.num_visible_blocks)
+                           * (r["tile_cycles"] + 100)
+                           + n(r["block_q"], r["block_k"], (4096, 0), blk.num_edge_blocks)
+                           * (r["case_cycles"][0] - r["tile_cycles"]))
+    p = tmp_path / "tpu_static_window.json"
+    p.write_text(json.dumps(dict(args=dict(dtype="bfloat16"), rows=rows)))
+    monkeypatch.setattr(tuned_blocks, "BAND_RUN", p)
+    got = tuned_blocks.band_rows(128, bf, "v6e")
+    assert [(r["block_q"], r["block_k"]) for r in got] == [(512, 512), (2048, 2048)]
+    assert tuned_blocks.band_rows(128, bf, "v5e") == [] == tuned_blocks.band_rows(
+        128, jnp.float32, "v6e")
+    for r in got:
+        assert blk.band_estimate(r, 32768, 32768, is_causal=True,
+                                 window=(4096, 0)) == r["est_cycles"]
+    # 512²: 540 tiles, 120 crossed (the first 8 rows only by the diagonal); 2048²: 45 and 30:
+    # 1100 x 540 + 200 x 120 = 618000 against 14100 x 45 + 5000 x 30 = 784500
+    assert got[0]["est_cycles"] == 618000 and got[1]["est_cycles"] == 784500
+    assert blk.choose_block_sizes(32768, 32768, 128, bf, "v6e", is_causal=True,
+                                  window=(4096, 0)) == (512, 512)
+    wide = dict(is_causal=False, window=(30000, 30000))       # nearly every tile, none crossed
+    assert (blk.band_estimate(got[1], 32768, 32768, **wide)
+            < blk.band_estimate(got[0], 32768, 32768, **wide))
+    assert blk.choose_block_sizes(32768, 32768, 128, bf, "v6e", **wide) == (2048, 2048)
+    # no rows for v5e: its class's own pair, as without a window
+    assert blk.choose_block_sizes(32768, 32768, 128, bf, "v5e", is_causal=True,
+                                  window=(4096, 0)) == blk.choose_block_sizes(
+        32768, 32768, 128, bf, "v5e", is_causal=True)
+
+
+def test_the_shipped_window_defaults_are_the_window_runs_fastest():
+    """On the shipped window run, its own shape (causal T = 32768, 4096 window) takes each
+    chip's fastest pair of the run, forward and fused backward, and a narrower band never
+    takes larger blocks."""
+    bf = jnp.bfloat16
+    for chip in ("v4", "v5e", "v5p", "v6e", "7x"):
+        for kernel, choose in (("forward", blk.choose_block_sizes),
+                               ("backward", blk.choose_backward_block_sizes)):
+            rows = tuned_blocks.band_rows(128, bf, chip, kernel=kernel)
+            best = min(rows, key=lambda r: r["est_cycles"])
+            got = choose(32768, 32768, 128, bf, chip, is_causal=True, window=(4096, 0))
+            assert got == (best["block_q"], best["block_k"]), (chip, kernel)
+            narrow = choose(8192, 8192, 128, bf, chip, is_causal=True, window=(1024, 0))
+            assert narrow[0] * narrow[1] <= got[0] * got[1], (chip, kernel)

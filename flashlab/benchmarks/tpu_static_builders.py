@@ -51,7 +51,7 @@ def _flashlab(chip, backward, causal, block, shape, dtype, window=None, soft_cap
               which="auto"):
     import jax
     from flashlab.contract import masks
-    from flashlab.kernels import backward_grid, diagonal
+    from flashlab.kernels import backward_grid, band, diagonal
     from flashlab.kernels import forward_config
     from flashlab.kernels import flash
     B, T, H, d = shape
@@ -64,12 +64,13 @@ def _flashlab(chip, backward, causal, block, shape, dtype, window=None, soft_cap
                                        local_window_size=window, logits_soft_cap=soft_cap)
         f = forward_config.make_config(spec, block_q=bq, block_k=bk, chip=chip)
         got["fwd"] = (f.block_q, f.block_k)
-        got["forward_cases"] = diagonal.forward_visits(f)     # query strips, else row chunks
+        # the query strips' cases, or a window's edge tiles (band.py), else row chunks
+        got["forward_cases"] = diagonal.forward_visits(f) or band.forward_visits(f)
         got["chunk_visits"] = (0, 0) if got["forward_cases"] else f.chunk_visits()
         c, got["fused"] = backward_grid.resolve_backward(spec, which, block_q=bq, block_k=bk,
                                                          chip=chip)
         got["bwd"] = [c.block_q, c.block_k]
-        got["cases"] = diagonal.visits(c) if got["fused"] else ()
+        got["cases"] = (diagonal.visits(c) or band.visits(c)) if got["fused"] else ()
         return q
     jax.eval_shape(probe, x, x, x)
     fb = got["fwd"]

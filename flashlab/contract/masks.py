@@ -59,7 +59,7 @@ from flashlab.contract import checks
 from flashlab.contract.checks import WINDOW_CAP
 
 __all__ = ["AttentionSpec", "validate", "structural_visible", "block_maybe_visible",
-           "WINDOW_CAP"]
+           "block_fully_visible", "WINDOW_CAP"]
 
 
 
@@ -260,6 +260,25 @@ def block_maybe_visible(q_start, q_stop, k_start, k_stop, *, is_causal=False, wi
             ok = _and(ok, k_stop - 1 >= q_start - left)
         if right is not None:
             ok = _and(ok, k_start <= q_stop - 1 + right)
+    return ok
+
+
+def block_fully_visible(q_start, q_stop, k_start, k_stop, *, is_causal=False, window=None):
+    """Whether every key in ``[k_start, k_stop)`` is visible from every query in ``[q_start,
+    q_stop)`` by the causal and window masks: the block's corners pass
+    :func:`structural_visible` (its last key from its first query, the window's left edge from
+    its last query). Lengths, segment ids and masks are the caller's to add. Python ints or
+    traced int32 scalars, as :func:`block_maybe_visible`.
+    """
+    ok = True
+    if is_causal:
+        ok = _and(ok, k_stop - 1 <= q_start)
+    if window is not None:
+        left, right = window
+        if left is not None:
+            ok = _and(ok, k_start >= q_stop - 1 - left)
+        if right is not None:
+            ok = _and(ok, k_stop - 1 <= q_start + right)
     return ok
 
 

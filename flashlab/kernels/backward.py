@@ -61,7 +61,7 @@ import jax.numpy as jnp
 
 from flashlab.contract.masks import AttentionSpec
 from flashlab.kernels import blocks as blk
-from flashlab.kernels import diagonal
+from flashlab.kernels import band, diagonal
 from flashlab.kernels import forward as fwd
 from flashlab.kernels import forward_grid
 from flashlab.kernels import visit
@@ -175,6 +175,13 @@ def _dkdv_kernel(*refs, cfg: ForwardConfig, names: RefNames, fused: int = 0):
             # -> 20890 cycles)
             pl.when(jnp.logical_not(diagonal.crossing(cfg, d)))(
                 functools.partial(step, inside=True))
+    elif fused and band.applies(cfg):
+        # A window's tile wholly inside the band is seen whole: no mask (kernels/band.py)
+        @pl.when(run)
+        def _visible():
+            inner = band.inside(cfg, i * cfg.block_q, j * cfg.block_k)     # no offsets here
+            pl.when(inner)(functools.partial(step, inside=True))
+            pl.when(jnp.logical_not(inner))(step)
     else:
         pl.when(run)(step)
 
@@ -192,7 +199,8 @@ def _dkdv_tile(ins, cfg: ForwardConfig, starts, dq_row, g, piece=None, write=Fal
     (:class:`diagonal.Piece`): only kv rows ``[k_lo, k_hi)`` by queries ``[q_lo, q_hi)`` of
     it, ``[k_hi − k_lo, q_hi − q_lo]``, masked only where ``piece.masked``. ``inside``: a
     whole tile below the causal diagonal (under :func:`diagonal.applies`, causal the only
-    mask), masked only by run-time lengths. ``write``: the kv block's first visit
+    mask) or wholly inside a window's band (:func:`band.applies`), masked only by run-time
+    lengths. ``write``: the kv block's first visit
     (:func:`diagonal.writes_first`): ``dV_j =``, ``dK_j =``."""
     dk_acc, dv_acc = ins["dk_acc"], ins["dv_acc"]
     acc, view, tcfg, k0, q0 = (...), ins, cfg, 0, 0
@@ -208,7 +216,7 @@ def _dkdv_tile(ins, cfg: ForwardConfig, starts, dq_row, g, piece=None, write=Fal
                                    is_causal=cfg.is_causal and not unmasked)
 
     if inside and not (cfg.mask_q_len or cfg.mask_kv_len):
-        tcfg = dataclasses.replace(cfg, is_causal=False)
+        tcfg = dataclasses.replace(cfg, is_causal=False, window=None)
 
     def into(ref, value):                                          # ref[acc] (+)= value
         ref[acc] = value if write else ref[acc] + value

@@ -64,12 +64,12 @@ def make_backward_config(spec: AttentionSpec, *, block_q=None, block_k=None,
     choose_kw = {k: v for k, v in kw.items() if k != "q_len"}
     auto_q, auto_k = blk.choose_backward_block_sizes(spec.q_len, spec.kv_len, spec.head_dim, dt,
                                                      chip, is_causal=spec.is_causal,
-                                                     **choose_kw)
+                                                     window=spec.window, **choose_kw)
     if fused and not blk._backward_fits(auto_q, auto_k, spec.head_dim, dt, chip, **kw):
         split_kw = {k: v for k, v in _vmem_kw(spec, False).items() if k != "q_len"}
         auto_q, auto_k = blk.choose_backward_block_sizes(    # no whole dQ fits: chunk it
             spec.q_len, spec.kv_len, spec.head_dim, dt, chip, is_causal=spec.is_causal,
-            **split_kw)
+            window=spec.window, **split_kw)
     auto_q = blk.round_up(auto_q, blk.LANES)
     bq = auto_q if block_q is None else blk.round_up(block_q, blk.LANES)
     bk = auto_k if block_k is None else block_k

@@ -10,7 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["div_nonneg", "kv_block_range", "q_block_range", "clamp_block", "num_visible_blocks"]
+__all__ = ["div_nonneg", "kv_block_range", "q_block_range", "clamp_block", "num_visible_blocks",
+           "num_edge_blocks"]
 
 
 def _is_static(*xs) -> bool:
@@ -106,6 +107,23 @@ def num_visible_blocks(num_q_blocks, num_kv_blocks, *, q_len, kv_len, block_q, b
 
 
 
+
+
+def num_edge_blocks(num_q_blocks, num_kv_blocks, *, q_len, kv_len, block_q, block_k,
+                    is_causal=False, window=None) -> int:
+    """How many of the computed pairs of one (batch, head) (:func:`num_visible_blocks`) the
+    causal diagonal or a window's edge crosses, hiding some of their scores (the others see
+    every score by position: :func:`masks.block_fully_visible`)."""
+    from flashlab.contract import masks
+    edge = 0
+    for i in range(num_q_blocks):
+        lo, hi = kv_block_range(i, q_len, kv_len, block_q=block_q, block_k=block_k,
+                                is_causal=is_causal, window=window)
+        q0 = i * block_q
+        edge += sum(not masks.block_fully_visible(q0, q0 + block_q, j * block_k,
+                                                  (j + 1) * block_k, is_causal=is_causal,
+                                                  window=window) for j in range(lo, hi + 1))
+    return edge
 
 
 def q_block_range(j, q_len, kv_len, *, block_q, block_k, is_causal=False, window=None,

@@ -28,7 +28,8 @@ from flashlab.contract import device
 from flashlab.kernels import tuned_blocks
 # Block skipping (the visible ranges and the clamp) lives in block_ranges; re-exported here.
 from flashlab.kernels.block_ranges import (  # noqa: F401
-    _block_span, clamp_block, div_nonneg, kv_block_range, num_visible_blocks, q_block_range)
+    _block_span, clamp_block, div_nonneg, kv_block_range, num_edge_blocks, num_visible_blocks,
+    q_block_range)
 from flashlab.kernels.tiling import (LANES, SUBLANES, kernel_head_dim, lane_pad, round_up,
                                      sublane_tile)
 
@@ -213,12 +214,14 @@ def check_block_sizes(block_q, block_k, *, head_dim, dtype, head_dim_v=None, bia
 def choose_block_sizes(q_len: int, kv_len: int, head_dim: int, dtype, chip: str | None = None,
                        *, head_dim_v: int | None = None, bias_dtype=None, has_mask=False,
                        has_segments=False, return_lse=False,
-                       is_causal: bool | None = None) -> tuple[int, int]:
+                       is_causal: bool | None = None, window=None) -> tuple[int, int]:
     """Default ``(block_q, block_k)`` for a problem on a TPU generation.
 
     With ``is_causal`` given (the forward kernel gives it), first the measured table
     (:mod:`flashlab.kernels.tuned_blocks`: the static bench's sweep winner per chip and shape
-    class), if the request falls in a measured class and the pair fits. Else the heuristic:
+    class), if the request falls in a measured class and the pair fits; under a ``window``
+    ``(left, right)``, the class's pairs ranked for the band (:func:`band_estimate`), the
+    first that fits. Else the heuristic:
     start from large blocks (B_r = 512, B_c = 1024: few grid steps, long DMAs, a full MXU;
     fixed 128-blocks leave a v5e/v6e MXU waiting on per-step overhead), never larger than the
     (padded) sequence, then halve B_c, then B_r, until :func:`vmem_bytes` fits
@@ -233,11 +236,11 @@ def choose_block_sizes(q_len: int, kv_len: int, head_dim: int, dtype, chip: str 
                           return_lse=return_lse) <= limit
 
     if is_causal is not None:
-        e = tuned_blocks.lookup(q_len, kv_len, head_dim, dtype, resolve_chip(chip),
-                                is_causal=is_causal)
-        got = _measured(e, q_len, kv_len, rule, fits)
-        if got is not None:
-            return got
+        for cand in _candidates("forward", q_len, kv_len, head_dim, dtype, chip, is_causal,
+                                window):
+            got = _measured(cand, q_len, kv_len, rule, fits)
+            if got is not None:
+                return got
     bq = min(512, round_up(q_len, rule))
     bk = min(1024 if lane_pad(head_dim) <= 128 else 512, round_up(kv_len, LANES))
     return _shrink_to_fit(fits, bq, bk, rule)
@@ -253,6 +256,46 @@ def padding_fit(length: int, block: int, unit: int) -> int:
            and round_up(length, block // 2) < round_up(length, block)):
         block //= 2
     return block
+
+
+def _candidates(kernel, q_len, kv_len, head_dim, dtype, chip, is_causal, window) -> list:
+    """The measured candidates for a request, best first: its class's entry
+    (:func:`tuned_blocks.lookup`; ``[]`` without one). Under a ``window``, every pair of the
+    stored window run (:func:`tuned_blocks.band_rows`) ranked by :func:`band_estimate` at
+    the request's lengths and window, where that run has rows for the chip. The table is
+    measured without a window, and a band favours smaller blocks than a sweep's winner: a
+    tile a band edge crosses is computed whole and masked, so the larger the blocks, the
+    more of each band row is computed for nothing (under a 4096 window, 2048² blocks compute
+    a band 1.5 times as wide as the window, 512² ones 1.125 times)."""
+    chip = resolve_chip(chip)
+    if window is not None:
+        rows = tuned_blocks.band_rows(head_dim, dtype, chip, kernel=kernel)
+        if rows:
+            return sorted(rows, key=lambda r: band_estimate(r, q_len, kv_len,
+                                                            is_causal=is_causal, window=window))
+    e = tuned_blocks.lookup(q_len, kv_len, head_dim, dtype, chip, is_causal=is_causal,
+                            kernel=kernel)
+    return [] if e is None else [e]
+
+
+def band_estimate(row, q_len: int, kv_len: int, *, is_causal: bool, window) -> float:
+    """A stored window run's row (:func:`tuned_blocks.band_rows`) priced at ``q_len x kv_len``
+    under ``window``: its whole-kernel estimate times the ratio of the work its blocks do
+    here to the work they did in the run, where a computed tile costs a grid step and the
+    inside tile, and a tile an edge crosses the edge tile's extra on top (its
+    ``case_cycles``; a row without, e.g. one whose row chunks run one by one, prices every
+    tile as its ``tile_cycles``). Ranks block pairs, not a time."""
+    bq, bk = row["block_q"], row["block_k"]
+    edge_extra = (row["case_cycles"][0] - row["tile_cycles"]) if row.get("case_cycles") else 0
+
+    def work(tq, tk, causal, w):
+        n = (-(-tq // bq), -(-tk // bk))
+        kw = dict(q_len=tq, kv_len=tk, block_q=bq, block_k=bk, is_causal=causal, window=w)
+        return (num_visible_blocks(*n, **kw) * (row["tile_cycles"] + row["step_cycles"])
+                + num_edge_blocks(*n, **kw) * edge_extra)
+    T = row["seq_len"]
+    return row["est_cycles"] * work(q_len, kv_len, is_causal, window) / work(
+        T, T, row["causal"], tuple(row["window"]))
 
 
 def _measured(e, q_len: int, kv_len: int, q_unit: int, fits):
@@ -341,15 +384,17 @@ def choose_backward_block_sizes(q_len: int, kv_len: int, head_dim: int, dtype,
                                 chip: str | None = None, *, head_dim_v: int | None = None,
                                 bias_dtype=None, has_mask=False, has_segments=False,
                                 soft_cap: bool = False, fused: bool = False, group: int = 1,
-                                is_causal: bool | None = None) -> tuple[int, int]:
+                                is_causal: bool | None = None, window=None
+                                ) -> tuple[int, int]:
     """Default ``(block_q, block_k)`` of the backward kernels for a problem on a chip.
 
     With ``is_causal`` given, first the measured table (:mod:`flashlab.kernels.tuned_blocks`,
     ``kernel="backward"``: the pair with the lowest dQ + dK/dV static estimate per chip and
-    shape class) if the request falls in a measured class and the pair fits. Else the
-    heuristic: the backward holds more ``[B_r, B_c]`` float32 temporaries than the forward and
-    twice its pipelined blocks, so it starts smaller: ``B_r = B_c = 512`` (never larger than
-    the padded sequence), then halves B_c, then B_r, until :func:`backward_vmem_bytes` fits
+    shape class) if the request falls in a measured class and the pair fits (under a
+    ``window``, as in :func:`choose_block_sizes`). Else the heuristic: the backward holds
+    more ``[B_r, B_c]`` float32 temporaries than the forward and twice its pipelined blocks,
+    so it starts smaller: ``B_r = B_c = 512`` (never larger than the padded sequence), then
+    halves B_c, then B_r, until :func:`backward_vmem_bytes` fits
     :func:`vmem_limit_bytes` of ``chip``. Same tiling rule as the forward. ``soft_cap``,
     ``fused``, ``group``: as in :func:`backward_vmem_bytes`.
     """
@@ -358,12 +403,12 @@ def choose_backward_block_sizes(q_len: int, kv_len: int, head_dim: int, dtype,
               has_segments=has_segments, soft_cap=soft_cap, fused=fused,
               **(dict(q_len=q_len, group=group) if fused else {}))
     if is_causal is not None:
-        e = tuned_blocks.lookup(q_len, kv_len, head_dim, dtype, resolve_chip(chip),
-                                is_causal=is_causal, kernel="backward")
-        got = _measured(e, q_len, kv_len, max(rule, LANES),
-                        lambda bq, bk: _backward_fits(bq, bk, head_dim, dtype, chip, **kw))
-        if got is not None:
-            return got
+        for cand in _candidates("backward", q_len, kv_len, head_dim, dtype, chip, is_causal,
+                                window):
+            got = _measured(cand, q_len, kv_len, max(rule, LANES),
+                            lambda bq, bk: _backward_fits(bq, bk, head_dim, dtype, chip, **kw))
+            if got is not None:
+                return got
     bq = min(512, round_up(q_len, rule))
     bk = min(512, round_up(kv_len, LANES))
     return _shrink_to_fit(lambda bq, bk: _backward_fits(bq, bk, head_dim, dtype, chip, **kw),

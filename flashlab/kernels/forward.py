@@ -41,7 +41,7 @@ from flashlab.contract.masks import AttentionSpec
 from flashlab.compat.shard_map import shape_dtype, vma_of
 from flashlab.compat import pallas as compat
 from flashlab.kernels import blocks as blk
-from flashlab.kernels import diagonal, visit
+from flashlab.kernels import band, diagonal, visit
 from flashlab.kernels.refs import RefNames, Window, name_refs
 from flashlab.compat.pallas import pl
 from flashlab.kernels.forward_grid import (ForwardGridSpec, forward_grid_spec, global_starts,
@@ -196,7 +196,8 @@ def _forward_kernel(*refs, cfg: ForwardConfig, names: RefNames):
             view = dict(view, k=Window(ins["k"], kk), v=Window(ins["v"], kk))
         unmasked = not (p.masked or cfg.mask_q_len or cfg.mask_kv_len)
         pcfg = dataclasses.replace(cfg, block_q=nq, block_k=nk,
-                                   is_causal=cfg.is_causal and not unmasked)
+                                   is_causal=cfg.is_causal and not unmasked,
+                                   window=None if unmasked else cfg.window)
         s, visible = score_tile(view, pcfg, q_start + p.q_lo, k_start + p.k_lo,
                                 q_len, kv_len)                   # [nq, nk]
         # m and l stay lane-replicated [rows, 128] and are updated elementwise: the tile's
@@ -212,6 +213,7 @@ def _forward_kernel(*refs, cfg: ForwardConfig, names: RefNames):
     # scheduler overlaps one chunk's softmax with the next chunk's matmuls. A plain tile's
     # rows may fold their keys in cfg.col_chunks updates too (FORWARD_COL_CHUNK), row-major.
     strips = diagonal.forward_cases(cfg)
+    banded = band.forward_applies(cfg)
     rows, cols = bq // cfg.row_chunks, bk // cfg.col_chunks
     # Under the strips (causal is the only mask) a tile the diagonal does not cross is seen
     # whole once it runs: its chunks build no mask (v6e causal 2048²: 11785 -> 10318 cycles;
@@ -220,8 +222,8 @@ def _forward_kernel(*refs, cfg: ForwardConfig, names: RefNames):
                              masked=not strips)
               for c in range(cfg.row_chunks) for k in range(cfg.col_chunks)]
 
-    def whole():
-        for chunk in chunks:                                    # unrolled: static slices
+    def whole(pieces=chunks):
+        for chunk in pieces:                                    # unrolled: static slices
             fold(chunk)
 
     if strips:
@@ -251,7 +253,18 @@ def _forward_kernel(*refs, cfg: ForwardConfig, names: RefNames):
 
         run = jnp.logical_and(run, every)
 
-    if not strips:
+    if banded:
+        # A window's tile wholly inside the band sees every score: its chunks build no mask
+        # (kernels/band.py); a tile an edge crosses keeps it, in whole rows (no column chunks).
+        @pl.when(run)
+        def _visible():
+            inner = band.inside(cfg, q_start, k_start)
+            pl.when(inner)(functools.partial(whole, [dataclasses.replace(c, masked=False)
+                                                     for c in chunks]))
+            pl.when(jnp.logical_not(inner))(functools.partial(whole, [
+                diagonal.Piece(0, bk, c * rows, (c + 1) * rows, masked=True)
+                for c in range(cfg.row_chunks)]))
+    elif not strips:
         pl.when(run)(whole)
 
     @pl.when(last)

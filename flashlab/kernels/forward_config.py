@@ -18,9 +18,8 @@ import numpy as np
 from flashlab.contract import masks
 from flashlab.contract.masks import AttentionSpec
 from flashlab.kernels import blocks as blk
-from flashlab.kernels import visit
+from flashlab.kernels import band, visit
 from flashlab.kernels.tiling import kernel_head_dim
-
 
 
 __all__ = ["ForwardConfig", "KEEP_NATURAL_SCORES", "SUPPORTED_DTYPES", "block_kwargs", "make_config"]
@@ -239,7 +238,8 @@ def make_config(spec: AttentionSpec, *, block_q=None, block_k=None, return_lse=F
     kw = dict(block_kwargs(spec), return_lse=return_lse)
     bias_dtype = kw["bias_dtype"]
     auto_q, auto_k = blk.choose_block_sizes(spec.q_len, spec.kv_len, spec.head_dim, dt, chip,
-                                            is_causal=spec.is_causal, **kw)
+                                            is_causal=spec.is_causal, window=spec.window,
+                                            **kw)
     block_q = auto_q if block_q is None else block_q
     block_k = auto_k if block_k is None else block_k
     blk.check_block_sizes(block_q, block_k, head_dim=spec.head_dim, dtype=dt, chip=chip,
@@ -328,16 +328,17 @@ def _chunk_cols(cfg: ForwardConfig) -> int | None:
     with row chunks of fewer than :data:`COL_CHUNK_MIN_ROWS` rows, for a tile that adds a bias
     (whose block the pieces would have to cut by columns too) or may run its row chunks one
     by one (:attr:`ForwardConfig.partial_tiles`), and for a tile that masks anything (window,
-    lengths, padding, segments, mask) but causal alone (:attr:`ForwardConfig.causal_only`),
-    whose interior tile the query strips leave whole and unmasked."""
+    lengths, padding, segments, mask) but causal alone (:attr:`ForwardConfig.causal_only`) or
+    a window alone (:func:`band.applies`), whose interior tiles run unmasked."""
     cols = FORWARD_COL_CHUNK.get(cfg.chip)
     rows = cfg.block_q // cfg.row_chunks                    # the rows of one row chunk
     if (cols is None or cfg.block_k <= cols or cfg.block_k % cols or rows < COL_CHUNK_MIN_ROWS
             or cfg.bias_dtype is not None or cfg.partial_tiles):
         return None
     # a masked tile keeps whole rows, except under causal alone, whose interior tile masks
-    # nothing under the query strips (which cut the crossed tiles by their own pieces)
-    return cols if cfg.causal_only or not cfg.masks_tile else None
+    # nothing under the query strips (which cut the crossed tiles by their own pieces), and
+    # a window's tile inside its band (band.py; the edge tiles keep whole rows)
+    return cols if cfg.causal_only or band.applies(cfg) or not cfg.masks_tile else None
 
 
 #: Where the forward keeps its scores unscaled-and-natural: (chip, masked tile). Elsewhere it

@@ -28,11 +28,15 @@ from pathlib import Path
 
 from flashlab.kernels.tiling import kernel_head_dim, lane_pad
 
-__all__ = ["TABLE", "KERNELS", "BACKWARD_PARTS", "whole_backward", "table", "lookup",
+__all__ = ["TABLE", "BAND_RUN", "KERNELS", "BACKWARD_PARTS", "whole_backward", "table", "lookup",
+           "band_rows",
            "class_of", "entries_from_rows", "stored_rows", "entries_from_stored", "class_key",
            "write"]
 
 TABLE = Path(__file__).parent.parent / "data" / "tpu_blocks.json"
+#: The stored sliding-window run (``bench tpu-static --window``): what the default blocks under
+#: a window are priced from (:func:`band_rows`).
+BAND_RUN = Path(__file__).parent.parent / "data" / "tpu_static_window.json"
 KERNELS = ("forward", "backward")
 #: The kernels of one whole backward, as the static bench names their rows: one fused kernel
 #: (dQ, dK and dV; flashlab's or splash's), or the split's dQ and dK/dV kernels.
@@ -78,18 +82,54 @@ def lookup(q_len: int, kv_len: int, head_dim: int, dtype, chip: str, *, is_causa
     """The table entry of ``kernel`` (``"forward"`` or ``"backward"``) for a request, or
     ``None`` when no measured class holds it: the class of the request's own head_dim
     (:func:`kernel_head_dim`), else, below 128, the 128-lane class."""
+    return next((e for e in _of_head_dim(head_dim, dtype, chip, kernel, is_causal, path)
+                 if e["seq_min"] <= q_len <= e["seq_max"]
+                 and e["seq_min"] <= kv_len <= e["seq_max"]), None)
+
+
+def band_rows(head_dim: int, dtype, chip: str, *, kernel: str = "forward",
+              path=None) -> list:
+    """flashlab's rows of the stored sliding-window run (:data:`BAND_RUN`: ``bench tpu-static
+    --window``, every block pair swept) on ``chip`` for ``kernel`` (``"forward"``, or
+    ``"backward"``: its fused kernel), one per block pair; ``[]`` where the run has none for
+    this dtype and lane-padded head_dim. Each row has the parts of its estimate: the tile
+    inside the band (``tile_cycles``), the tile an edge crosses (``case_cycles``), the grid
+    step, at the run's shape (``seq_len``, ``window``);
+    :func:`flashlab.kernels.blocks.band_estimate` prices a pair at another from them."""
+    import jax.numpy as jnp
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel: expected one of {KERNELS}, got {kernel!r}")
+    doc = _load_run(str(path or BAND_RUN))
+    if doc is None or doc["args"].get("dtype") != jnp.dtype(dtype).name:
+        return []
+    best = {}
+    for r in doc["rows"]:
+        if (r.get("library") == "flashlab" and r.get("chip") == chip and "error" not in r
+                and r.get("kernel") == ("forward" if kernel == "forward" else "fused")
+                and r.get("head_dim") == lane_pad(head_dim)):
+            k = (r["block_q"], r["block_k"])
+            if k not in best or r["est_cycles"] < best[k]["est_cycles"]:
+                best[k] = r
+    return [best[k] for k in sorted(best)]
+
+
+@functools.lru_cache(maxsize=2)
+def _load_run(path: str) -> dict | None:
+    p = Path(path)
+    return json.loads(p.read_text()) if p.exists() else None
+
+
+def _of_head_dim(head_dim, dtype, chip, kernel, causal, path) -> list:
+    """The entries of ``kernel`` on ``chip`` for ``dtype`` and ``causal``: the class of the
+    request's own head_dim (:func:`kernel_head_dim`) first, then, below 128, the 128-lane one."""
     import jax.numpy as jnp
     if kernel not in KERNELS:
         raise ValueError(f"kernel: expected one of {KERNELS}, got {kernel!r}")
     name = jnp.dtype(dtype).name
-    for d in dict.fromkeys((kernel_head_dim(head_dim), lane_pad(head_dim))):
-        for e in table(path):
+    return [e for d in dict.fromkeys((kernel_head_dim(head_dim), lane_pad(head_dim)))
+            for e in table(path)
             if (e["kernel"] == kernel and e["chip"] == chip and e["dtype"] == name
-                    and e["causal"] == bool(is_causal)
-                    and e["head_dim"] == d and e["seq_min"] <= q_len <= e["seq_max"]
-                    and e["seq_min"] <= kv_len <= e["seq_max"]):
-                return e
-    return None
+                and e["causal"] == bool(causal) and e["head_dim"] == d)]
 
 
 def entries_from_rows(rows, *, dtype: str, command: str, commit: str, versions: dict) -> list:
