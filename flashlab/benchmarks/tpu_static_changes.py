@@ -23,7 +23,9 @@ def stored_before(name: str) -> dict:
     first-visit write), ``"causal_interior_before"`` (the forward and fused backward before
     their causal interior tiles stopped building a mask), ``"soft_cap_before"`` (the forward
     under a soft cap before it folded ``scale/cap`` into the query block; against the
-    ``--soft-cap`` run, :data:`flashlab.dispatch.static_table.STORED_OPTIONS`). Chapters 05
+    ``--soft-cap`` run, :data:`flashlab.dispatch.static_table.STORED_OPTIONS`),
+    ``"window_band_before"`` (the ``--window`` run before the tiles inside the band stopped
+    building a mask and the default blocks under a window were priced from it). Chapters 05
     and 07 set these against a run with :func:`tpu_static_report.before_after_table`."""
     return json.loads((DATA / f"{name}.json").read_text())
 

@@ -25,9 +25,9 @@ STORED_SHAPES = tuple(STORED.parent / f"tpu_static_{name}.json"
                       for name in ("t2048", "t32768", "d64", "noncausal"))
 #: Runs with an option set for every library (``bench tpu-static --window`` / ``--soft-cap``):
 #: flashlab against splash where jax's kernel has no such option. Shown in chapter 07 and
-#: the README, never ranked by ``auto`` (:func:`nearest_run` reads the runs above only).
-STORED_OPTIONS = tuple(STORED.parent / f"tpu_static_{name}.json"
-                       for name in ("window", "softcap"))
+#: the README, never ranked by ``auto`` (:func:`nearest_run` reads the runs above only); the
+#: window run prices the default blocks under a window (:data:`tuned_blocks.BAND_RUN`).
+STORED_OPTIONS = (tuned_blocks.BAND_RUN, STORED.parent / "tpu_static_softcap.json")
 KERNELS = ("forward", "dq", "dkdv")     # the kernels of one training step's attention
 #: The libraries that are backends (``splash_fused`` and ``flashlab_split``, backward variants
 #: of the bench, are not what the backends run by default).
