@@ -63,6 +63,7 @@ def visits(cfg: ForwardConfig) -> tuple[int, ...]:
                             kv_len=cfg.kv_len, block_q=cfg.block_q, block_k=cfg.block_k,
                             is_causal=cfg.is_causal, window=cfg.window),)
 
+
 def forward_visits(cfg: ForwardConfig) -> tuple[int, ...]:
     """:func:`visits` where :func:`forward_applies`, else ``()``."""
     return visits(cfg) if forward_applies(cfg) else ()

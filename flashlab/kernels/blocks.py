@@ -220,8 +220,8 @@ def choose_block_sizes(q_len: int, kv_len: int, head_dim: int, dtype, chip: str 
     With ``is_causal`` given (the forward kernel gives it), first the measured table
     (:mod:`flashlab.kernels.tuned_blocks`: the static bench's sweep winner per chip and shape
     class), if the request falls in a measured class and the pair fits; under a ``window``
-    ``(left, right)``, the class's pairs ranked for the band (:func:`band_estimate`), the
-    first that fits. Else the heuristic:
+    ``(left, right)``, the stored window run's pairs ranked for the request's band
+    (:func:`band_estimate`), the first that fits. Else the heuristic:
     start from large blocks (B_r = 512, B_c = 1024: few grid steps, long DMAs, a full MXU;
     fixed 128-blocks leave a v5e/v6e MXU waiting on per-step overhead), never larger than the
     (padded) sequence, then halve B_c, then B_r, until :func:`vmem_bytes` fits

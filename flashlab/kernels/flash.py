@@ -109,7 +109,7 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None, is_c
     plus:
 
       block_q, block_k: B_r and B_c. Default: :func:`flashlab.kernels.choose_block_sizes` for
-        this TPU generation. block_q must be a multiple of the sublane tile (8 fp32, 16 bf16,
+        this TPU generation and shape (under a window, priced for its band). block_q must be a multiple of the sublane tile (8 fp32, 16 bf16,
         32 with a mask), block_k of 128, and the blocks' VMEM estimate (``blocks.vmem_bytes``)
         must fit the limit the kernel asks for (``blocks.vmem_limit_bytes``); otherwise
         ``ValueError`` naming the argument.
