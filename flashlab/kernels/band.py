@@ -18,13 +18,12 @@ schedule prices the two paths apart: the unmasked tile is the kernel's tile, and
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
 
 from flashlab.contract import masks
 from flashlab.kernels.block_ranges import num_edge_blocks
 
-if TYPE_CHECKING:                      # forward_config imports this module
-    from flashlab.kernels.forward_config import ForwardConfig
+# ``ForwardConfig`` (kernels/forward_config.py) is only named in annotations: that module
+# imports this one, so importing it back would make a cycle.
 
 __all__ = ["applies", "forward_applies", "inside", "visits", "forward_visits"]
 
