@@ -30,10 +30,9 @@ __all__ = ["applies", "forward_applies", "inside", "visits", "forward_visits"]
 
 def applies(cfg: ForwardConfig) -> bool:
     """Whether a visible tile of ``cfg`` may be told inside the band from positions alone: a
-    window, and no offsets, bias, mask, segment ids or length masks (q lengths, kv lengths or
+    window, :attr:`ForwardConfig.positions_only` and no length masks (q lengths, kv lengths or
     kv padding), each of which would still mask an inside tile."""
-    return (cfg.window is not None and not cfg.has_offsets and cfg.bias_bcast is None
-            and cfg.mask_bcast is None and not cfg.has_segments
+    return (cfg.window is not None and cfg.positions_only
             and not (cfg.mask_q_len or cfg.mask_kv_len))
 
 

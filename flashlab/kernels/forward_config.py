@@ -73,12 +73,16 @@ class ForwardConfig:
                 or self.mask_kv_len or self.has_segments or self.mask_bcast is not None)
 
     @property
+    def positions_only(self) -> bool:
+        """No offsets, bias, mask or segment ids: a tile's scores follow from its positions."""
+        return (not (self.has_offsets or self.has_segments) and self.bias_bcast is None
+                and self.mask_bcast is None)
+
+    @property
     def causal_only(self) -> bool:
-        """Causal, and nothing else hides a score by position or data (no window, offsets,
-        bias, mask or segment ids): the diagonal's strips are cut from positions alone
-        (:mod:`.diagonal`), and a visible tile the diagonal does not cross sees every score."""
-        return (self.is_causal and self.window is None and not self.has_offsets
-                and self.bias_bcast is None and self.mask_bcast is None and not self.has_segments)
+        """Causal and :attr:`positions_only`, no window: the diagonal's strips are cut from
+        positions (:mod:`.diagonal`); a visible tile the diagonal does not cross sees all."""
+        return self.is_causal and self.window is None and self.positions_only
 
     @property
     def cap_in_query(self) -> bool:
@@ -151,8 +155,7 @@ class ForwardConfig:
 
     @property
     def head_dim_p(self) -> int:
-        """head_dim as the kernels carry it (:func:`~flashlab.kernels.tiling.kernel_head_dim`:
-        unpadded below 128)."""
+        """head_dim as the kernels carry it (:func:`.tiling.kernel_head_dim`: unpadded < 128)."""
         return kernel_head_dim(self.head_dim)
 
     @property

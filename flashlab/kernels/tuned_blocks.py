@@ -97,8 +97,7 @@ def band_rows(head_dim: int, dtype, chip: str, *, kernel: str = "forward",
     step, at the run's shape (``seq_len``, ``window``);
     :func:`flashlab.kernels.blocks.band_estimate` prices a pair at another from them."""
     import jax.numpy as jnp
-    if kernel not in KERNELS:
-        raise ValueError(f"kernel: expected one of {KERNELS}, got {kernel!r}")
+    _check_kernel(kernel)
     doc = _load_run(str(path or BAND_RUN))
     if doc is None or doc["args"].get("dtype") != jnp.dtype(dtype).name:
         return []
@@ -113,6 +112,11 @@ def band_rows(head_dim: int, dtype, chip: str, *, kernel: str = "forward",
     return [best[k] for k in sorted(best)]
 
 
+def _check_kernel(kernel: str) -> None:
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel: expected one of {KERNELS}, got {kernel!r}")
+
+
 @functools.lru_cache(maxsize=2)
 def _load_run(path: str) -> dict | None:
     p = Path(path)
@@ -123,8 +127,7 @@ def _of_head_dim(head_dim, dtype, chip, kernel, causal, path) -> list:
     """The entries of ``kernel`` on ``chip`` for ``dtype`` and ``causal``: the class of the
     request's own head_dim (:func:`kernel_head_dim`) first, then, below 128, the 128-lane one."""
     import jax.numpy as jnp
-    if kernel not in KERNELS:
-        raise ValueError(f"kernel: expected one of {KERNELS}, got {kernel!r}")
+    _check_kernel(kernel)
     name = jnp.dtype(dtype).name
     return [e for d in dict.fromkeys((kernel_head_dim(head_dim), lane_pad(head_dim)))
             for e in table(path)
