@@ -453,21 +453,23 @@ def test_auto_backward_is_fused_where_its_resident_dq_fits():
 
 @pytest.mark.parametrize("visit,option,interpret", [
     (True, "causal", "generic"), (False, "causal", "generic"),
-    (False, "everything", "generic"), (True, "causal", "tpu")],
-    ids=["visit-grid", "dense-grid", "dense-everything", "visit-tpu-interpret"])
+    (False, "everything", "generic"), (True, "causal", "tpu"), (False, "plain", "generic")],
+    ids=["visit-grid", "dense-grid", "dense-everything", "visit-tpu-interpret", "dense-plain"])
 def test_fused_backward_in_query_chunks(visit, option, interpret):
     """The fused kernel with its resident dQ in 2 and 3 query chunks (dK, dV as float32
     partials, summed after): grid ``(b, hk, c, j, g, i)`` or the chunked visit list, GQA
     (G = 2), two batch rows and kv heads, T = 330 padded to 384 (three 128-row q blocks),
     on both grids; with every option at once (bias, mask, segment ids, lengths, window) on
     the dense grid; on the visit grid in TPU interpret mode (race detector on, uninitialized
-    memory NaN). The float64 oracle's gradients to float32 tolerance."""
+    memory NaN); plain non-causal at T = 384, where every block is visible and the grid
+    fetches its own blocks unclamped (``blocks.every_block_visible``). The float64 oracle's
+    gradients to float32 tolerance."""
     from flashlab.kernels import backward
     from flashlab.kernels.backward_grid import dkdv_grid_spec
     rng = np.random.default_rng(23)
-    B, T, N, K, H = 2, 330, 4, 2, 64
+    B, T, N, K, H = 2, 384 if option == "plain" else 330, 4, 2, 64
     q, k, v = random_qkv(rng, B, T, T, N, K, H)
-    kw = ({"is_causal": True} if option == "causal"
+    kw = ({"is_causal": True} if option == "causal" else {} if option == "plain"
           else mask_kwargs("everything", rng, B, T, T, N))
     dout = rng.standard_normal((B, T, N, H)).astype(np.float32)
     q_, k_, v_, spec = validate(*(jnp.asarray(x) for x in (q, k, v)),
@@ -477,6 +479,7 @@ def test_fused_backward_in_query_chunks(visit, option, interpret):
     out, lse = flash_attention_forward(q_, k_, v_, spec, block_q=128, block_k=128,
                                        interpret=True)
     cfg = make_backward_config(spec, block_q=128, block_k=128, visit_grid=visit)
+    assert blk.every_block_visible(cfg) == (option == "plain")
     ref = oracle_grads(q, k, v, dout, kw)
     scale = max(np.abs(r).max() for r in ref)
     mode = device.tpu_interpret_params() if interpret == "tpu" else True

@@ -291,3 +291,46 @@ def test_planes_hold_the_packed_list(transposed):
         assert visit.at(p, t) == (r, c)
         assert visit.step_at(p, t) == (r, c, bool(f & visit.FIRST), bool(f & visit.LAST),
                                        not f & visit.EMPTY)
+
+
+def test_grids_where_every_block_is_visible_fetch_their_own_blocks():
+    """Non-causal, no window, no run-time lengths, kv padding or offsets
+    (``blocks.every_block_visible``): every index map of the forward, dQ and dK/dV grids
+    (fused whole, and in 3 query chunks) hands back the grid's own block: no clamp or range
+    test in its jaxpr (GQA's ``h // G`` is the one division left). Any of the others keeps the
+    clamp. (The kernels then test no range: one always-true compare keeps the tile a
+    predicated region for the schedule reader.)"""
+    import itertools
+    import jax
+    q, k, v, a = _spec(384, 384, False, None)
+    spec = masks.validate(q, k, v, None, None, **a)[3]
+    cfg = forward_config.make_config(spec, block_q=128, block_k=128)
+    bcfg = backward_grid.make_backward_config(spec, block_q=128, block_k=128)
+    assert blk.every_block_visible(cfg) and blk.every_block_visible(bcfg)
+    grids = [forward_grid.forward_grid_spec(cfg), backward_grid.dq_grid_spec(bcfg, False),
+             backward_grid.dkdv_grid_spec(bcfg), backward_grid.dkdv_grid_spec(bcfg, fused=1),
+             backward_grid.dkdv_grid_spec(bcfg, fused=3)]
+    ql = kl = np.array([384], np.int32)
+    scalar_ops = {"min", "max", "select_n", "lt", "le", "gt", "ge", "clamp", "rem"}
+    for gs in grids:
+        assert len(gs.grid) in (4, 5, 6), gs.grid            # dense grids, no visit list
+        for spec_ in gs.in_specs + gs.out_specs:
+            ids = [jnp.int32(0)] * len(gs.grid)
+            jaxpr = jax.make_jaxpr(lambda *i: spec_.index_map(*i, ql, kl))(*ids)
+            used = {e.primitive.name for e in jaxpr.jaxpr.eqns} & scalar_ops
+            assert not used, (gs.grid, spec_.block_shape, used)
+        for step in itertools.product(*map(range, gs.grid)):
+            for spec_ in gs.in_specs:                      # blocks of kv (j) and q (i) rows
+                idx = spec_.index_map(*step, ql, kl)
+                assert all(0 <= int(x) for x in idx)
+    fwd_kv = grids[0].spec("k").index_map
+    assert [int(fwd_kv(0, 1, 2, j, ql, kl)[2]) for j in range(3)] == [0, 1, 2]
+    dkdv_q = grids[2].spec("q").index_map                    # (b, hk, j, g, i) -> i
+    assert [int(dkdv_q(0, 0, 1, 1, i, ql, kl)[2]) for i in range(3)] == [0, 1, 2]
+    for causal, window, kv_len, extra in [(True, None, 384, {}), (False, (64, 0), 384, {}),
+                                          (False, None, 380, {}),
+                                          (False, None, 384, {"q_offset": 0})]:
+        q, k, v, a = _spec(384, kv_len, causal, window, **extra)
+        spec = masks.validate(q, k, v, None, None, **a)[3]
+        assert not blk.every_block_visible(
+            forward_config.make_config(spec, block_q=128, block_k=128, visit_grid=False))

@@ -131,6 +131,8 @@ def _dkdv_kernel(*refs, cfg: ForwardConfig, names: RefNames, fused: int = 0):
             pl.program_id(a) == 0 for a in range(2, 4 if on_visits or folded else 5)])
     first = jnp.logical_and(first_i, g == 0)
     last = jnp.logical_and(last_i, g == last_g)
+    if ranged and blk.every_block_visible(cfg):   # dense grid, every step visible: kept as
+        run, ranged = pl.program_id(5 if chunked else 4) < per, False   # a branch, 1 compare
     if ranged:          # exactly the index map's unclamped steps (visit grid: run-time lengths)
         lo, hi = _q_range(cfg, 0, j, (q_len,), (kv_len,), offsets_ref)
         in_range = jnp.logical_and(lo <= i, i <= hi)
@@ -255,6 +257,8 @@ def _dq_kernel(*refs, cfg: ForwardConfig, names: RefNames, has_ds):
     else:
         i, j = pl.program_id(2), pl.program_id(3)
         first, last, run, ranged = j == 0, j == cfg.num_kv_blocks - 1, None, True
+    if ranged and blk.every_block_visible(cfg):   # dense grid, every step visible: kept as
+        run, ranged = j < cfg.num_kv_blocks, False  # a branch (tpu_schedule.analyze), 1 compare
     if ranged:          # exactly the index map's unclamped steps (visit grid: run-time lengths)
         lo, hi = forward_grid._kv_range(cfg, 0, i, (q_len,), (kv_len,), offsets_ref)
         in_range = jnp.logical_and(lo <= j, j <= hi)

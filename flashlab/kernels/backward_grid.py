@@ -139,6 +139,8 @@ def chunk_of_block(i, per: int):
 
 
 def _q_range(cfg, b, j, q_lengths, kv_lengths, offsets=None):
+    if blk.every_block_visible(cfg):           # every q block, for every kv block (static)
+        return 0, cfg.num_q_blocks - 1
     q_lengths, kv_lengths = forward_grid.static_lengths(cfg, q_lengths, kv_lengths)
     return blk.q_block_range(j, q_lengths[b], kv_lengths[b], block_q=cfg.block_q,
                              block_k=cfg.block_k,
@@ -178,7 +180,7 @@ def dkdv_grid_spec(cfg: ForwardConfig, fused: int = 0) -> BackwardGridSpec:
 
     def q_block(b, j, i, q_lengths, kv_lengths, offsets=None, chunk=None):
         lo, hi = _q_range(cfg, b, j, q_lengths, kv_lengths, offsets)
-        if chunk is not None:           # the chunk's q blocks only
+        if chunk is not None and not blk.every_block_visible(cfg):   # the chunk's q blocks
             lo, hi = _max(lo, chunk * per), _min(hi, chunk * per + per - 1)
         return blk.clamp_block(i, lo, hi, cfg.num_q_blocks)   # same clamp, on the q axis
 

@@ -28,8 +28,8 @@ from flashlab.contract import device
 from flashlab.kernels import tuned_blocks
 # Block skipping (the visible ranges and the clamp) lives in block_ranges; re-exported here.
 from flashlab.kernels.block_ranges import (  # noqa: F401
-    _block_span, clamp_block, div_nonneg, kv_block_range, num_edge_blocks, num_visible_blocks,
-    q_block_range)
+    _block_span, clamp_block, div_nonneg, every_block_visible, kv_block_range, num_edge_blocks,
+    num_visible_blocks, q_block_range)
 from flashlab.kernels.tiling import (LANES, SUBLANES, kernel_head_dim, lane_pad, round_up,
                                      sublane_tile)
 
@@ -38,6 +38,7 @@ __all__ = ["LANES", "SUBLANES", "VMEM_BYTES", "sublane_tile", "round_up", "lane_
            "vmem_capacity_bytes", "vmem_budget_bytes", "vmem_bytes", "choose_block_sizes",
            "check_block_sizes", "kv_block_range", "resolve_chip", "vmem_limit_bytes",
            "clamp_block", "num_visible_blocks", "div_nonneg", "q_block_range",
+           "every_block_visible",
            "backward_vmem_bytes", "choose_backward_block_sizes", "padding_fit"]
 
 #: VMEM per TensorCore, bytes (JAX 0.10.2 ``tpu_info._get_tpu_info_impl``).

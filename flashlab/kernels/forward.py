@@ -180,6 +180,10 @@ def _forward_kernel(*refs, cfg: ForwardConfig, names: RefNames):
             run = jnp.logical_and(run, k_start < kv_len)
         if cfg.mask_q_len:
             run = jnp.logical_and(run, q_start < q_len)
+    elif blk.every_block_visible(cfg):
+        # always true, kept as a branch: the static schedule's reader tells the tile from the
+        # step by its region (tpu_schedule.analyze); one compare, not the range's four
+        run = j < cfg.num_kv_blocks
     else:
         run = jnp.logical_and(
             masks.block_maybe_visible(q_start, q_start + bq, k_start, k_start + bk,

@@ -144,6 +144,8 @@ def static_lengths(cfg, q_lengths, kv_lengths):
 
 
 def _kv_range(cfg: ForwardConfig, b, i, q_lengths, kv_lengths, offsets=None):
+    if blk.every_block_visible(cfg):           # every kv block, for every q block (static)
+        return 0, cfg.num_kv_blocks - 1
     q_lengths, kv_lengths = static_lengths(cfg, q_lengths, kv_lengths)
     return blk.kv_block_range(i, q_lengths[b], kv_lengths[b], block_q=cfg.block_q,
                               block_k=cfg.block_k,
