@@ -156,3 +156,105 @@ def test_only_the_edge_path_builds_a_mask():
         return jnp.sum(flash_attention(q, q, q, **kw, backward="fused"))
     kernels = kernel_eqns(jax.grad(loss), q)
     assert [sum(e.primitive.name == "iota" for e in k) for k in kernels][-1] == 2
+
+
+BAND_GRIDS = [  # (q_len, kv_len, blocks, kw): the dK/dV kernel's band grid
+    (1024, 1024, (128, 128), {"is_causal": True, "local_window_size": (256, 0)}),
+    (1000, 1000, (128, 256), {"is_causal": True, "local_window_size": (300, 0)}),   # padding
+    (1024, 1024, (128, 128), {"local_window_size": (256, 128)}),
+    (1024, 1024, (128, 256), {"local_window_size": (256, 256)}),
+]
+
+
+@pytest.mark.parametrize("q_len, kv_len, blocks, kw", BAND_GRIDS)
+def test_band_grid_covers_each_kv_rows_visible_q_blocks(q_len, kv_len, blocks, kw):
+    """Every q block that sees some key of kv block ``j`` (score by score, from the mask
+    itself) lies in ``[first_q_block(j), first_q_block(j) + q_steps)``; traced, the first
+    block is the same; and the band grid's q index map, replayed over its steps, fetches each
+    row's visible q blocks in order (repeats only where a step is past the row's last)."""
+    bq, bk = blocks
+    x = jax.ShapeDtypeStruct((1, q_len, 2, 64), jnp.float32)
+    kx = jax.ShapeDtypeStruct((1, kv_len, 1, 64), jnp.float32)
+    spec = jax.eval_shape(lambda q, k: validate(q, k, k, **kw)[-1], x, kx)
+    cfg = make_backward_config(spec, block_q=bq, block_k=bk, chip="v6e")
+    assert band.grid_applies(cfg)
+    from flashlab.kernels.backward_grid import dkdv_grid_spec
+    gs = dkdv_grid_spec(cfg, fused=1)
+    n = band.q_steps(cfg)
+    assert gs.grid == (1, 1, cfg.num_kv_blocks, 2, n) and gs.visit_rows is None
+    qp, kp = np.arange(q_len), np.arange(kv_len)
+    vis = np.asarray(structural_visible(qp[:, None], kp[None, :],
+                                        is_causal=kw.get("is_causal", False),
+                                        window=kw["local_window_size"]))
+    ql = kl = None
+    for j in range(cfg.num_kv_blocks):
+        seen = [i for i in range(cfg.num_q_blocks)
+                if vis[i * bq:(i + 1) * bq, j * bk:(j + 1) * bk].any()]
+        first = band.first_q_block(cfg, j)
+        assert int(band.first_q_block(cfg, jnp.int32(j))) == first
+        assert all(first <= i < first + n for i in seen), (j, first, n, seen)
+        ql, kl = np.array([q_len]), np.array([kv_len])
+        fetched = [int(gs.spec("q").index_map(0, 0, j, 1, t, ql, kl)[2]) for t in range(n)]
+        assert [i for t, i in enumerate(fetched) if t == 0 or i != fetched[t - 1]] == (
+            seen or fetched[:1]), (j, fetched, seen)
+    # bounds checks are off (ForwardGridSpec.bounds_checks): no step may leave an array,
+    # whatever run-time lengths are passed (test_kernel_visit replays the other grids)
+    big = 2 ** 30
+    for ql, kl in [(-5, -5), (0, 0), (1, big), (big, 1), (big, big)]:
+        ql, kl = np.array([ql], np.int64), np.array([kl], np.int64)
+        for step in itertools.product(*map(range, gs.grid)):
+            for spec_, shape in zip(gs.in_specs + gs.out_specs, gs.in_shapes + gs.out_shapes):
+                idx = spec_.index_map(*step, ql, kl)
+                for x, m, b in zip(idx, shape.shape, spec_.block_shape):
+                    assert 0 <= int(x) < (m if b is None else m // b), (step, idx, shape)
+
+
+def test_band_grid_only_where_it_pays():
+    """The band grid replaces the transposed visit list under a window where the kernels skip
+    steps (``visit_grid``), with the whole dQ resident, and at most GRID_MAX_SHARE times the
+    list's steps; never without a window, on the dense grid, or in query chunks."""
+    def cfg(T=1024, visit_grid=None, block_q=128, **kw):
+        return make_backward_config(_spec(T, **kw), block_q=block_q, block_k=128, chip="v6e",
+                                    visit_grid=visit_grid)
+    win = dict(is_causal=True, local_window_size=(256, 0))
+    assert band.grid_applies(cfg(**win)) and not band.grid_applies(cfg(**win), q_chunks=2)
+    assert not band.grid_applies(cfg(visit_grid=False, **win))
+    assert not band.grid_applies(cfg(is_causal=True))
+    wide = cfg(T=1024, local_window_size=(640, 640))      # wider than most rows: no visits
+    assert not wide.visit_grid and not band.grid_applies(wide)
+    c = cfg(**win)
+    assert band.q_steps(c) * c.num_kv_blocks <= band.GRID_MAX_SHARE * len(
+        c.visits(transposed=True))
+    # 256-row q blocks over 128-key kv blocks: kv rows alternate 3 and 2 q blocks seen
+    ragged = cfg(block_q=256, is_causal=True, local_window_size=(512, 0))
+    assert band.q_steps(ragged) * ragged.num_kv_blocks > band.GRID_MAX_SHARE * len(
+        ragged.visits(transposed=True)) and not band.grid_applies(ragged)
+
+
+@pytest.mark.parametrize("backward", ["fused", "split"])
+def test_band_grid_backward_with_lengths_and_gqa(backward):
+    """The dK/dV kernel on the band grid, split and fused, with run-time q and kv lengths
+    (whose steps past a row's last visible block compute nothing) and GQA: the float64
+    oracle's gradients."""
+    rng = np.random.default_rng(44)
+    B, T = 2, 1024
+    q, k, v = random_qkv(rng, B, T, T, 4, 2, 64)
+    kw = {"is_causal": True, "local_window_size": (256, 0),
+          "query_seq_lengths": np.array([1024, 700], np.int32),
+          "key_value_seq_lengths": np.array([900, 1024], np.int32)}
+    dout = rng.standard_normal(q.shape).astype(np.float32)
+    dout[1, 700:] = 0.0                                   # rows past q_len: no cotangent
+    args = [jnp.asarray(x) for x in (q, k, v)]
+    jkw = {n: (jnp.asarray(x) if isinstance(x, np.ndarray) else x) for n, x in kw.items()}
+    spec = validate(*args, **jkw)[-1]
+    assert band.grid_applies(make_backward_config(spec, block_q=128, block_k=128, chip="v6e"))
+
+    def loss(q, k, v):
+        out = flash_attention(q, k, v, **jkw, block_q=128, block_k=128, chip="v6e",
+                              interpret=True, backward=backward)
+        return jnp.sum(out * dout)
+    got = jax.grad(loss, argnums=(0, 1, 2))(*args)
+    ref = oracle_grads(q, k, v, dout, kw)
+    scale = max(np.abs(r).max() for r in ref)
+    for label, g, r in zip(("dq", "dk", "dv"), got, ref):
+        assert np.abs(np.asarray(g) - r).max() / scale <= F32_RTOL, label

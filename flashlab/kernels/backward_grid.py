@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from flashlab.compat import pallas as compat
 from flashlab.kernels import blocks as blk
-from flashlab.kernels import diagonal
+from flashlab.kernels import band, diagonal
 from flashlab.kernels import forward_grid
 from flashlab.kernels import forward_config
 from flashlab.kernels import visit
@@ -155,7 +155,9 @@ def dkdv_grid_spec(cfg: ForwardConfig, fused: int = 0) -> BackwardGridSpec:
     ``(j, i)`` from the transposed visit list (rows are kv blocks), and the ``G`` query heads
     sharing kv head ``hk`` run innermost, so dK_j, dV_j still accumulate over every (g, i)
     before the row's last visit writes them. Only ``b`` and ``hk`` are parallel. A plain
-    causal MHA's fused kernel runs on the folded grid ``(b, hk, p, s)`` (:func:`diagonal.folds`).
+    causal MHA's fused kernel runs on the folded grid ``(b, hk, p, s)`` (:func:`diagonal.folds`),
+    and a window's on the band grid ``(b, hk, j, g, t)``, q block ``band.first_q_block(j) + t``
+    (:func:`band.grid_applies`: no list to read).
 
     ``fused`` (an int ``n ≥ 1``, or True for 1): the fused backward, one kernel for dQ, dK and
     dV. Its float32 output ``dq [B, N, T, d]`` (unscaled) is read in blocks ``[G, T / n, d]``,
@@ -174,7 +176,9 @@ def dkdv_grid_spec(cfg: ForwardConfig, fused: int = 0) -> BackwardGridSpec:
     bk = cfg.block_k
     Sp, Dp, Dvp = cfg.kv_len_p, cfg.head_dim_p, cfg.head_dim_v_p
     folded = diagonal.folds(cfg, n)         # (b, hk, p, s): no empty step, no visit list
-    on_visits = not folded and _on_visit_grid(cfg, transposed=True, q_chunks=max(n, 1))
+    banded = not folded and band.grid_applies(cfg, max(n, 1))    # (b, hk, j, g, t)
+    on_visits = not (folded or banded) and _on_visit_grid(cfg, transposed=True,
+                                                          q_chunks=max(n, 1))
     clamp = cfg.mask_q_len or cfg.mask_kv_len
     per = cfg.num_q_blocks // max(n, 1)                  # q blocks per chunk
 
@@ -206,6 +210,10 @@ def dkdv_grid_spec(cfg: ForwardConfig, fused: int = 0) -> BackwardGridSpec:
 
         def chunk_of(b, hk, c, *a):
             return c
+    elif banded:                        # (b, hk, j, g, t): q block first_q_block(j) + t
+        def idx(b, hk, j, g, t, q_lengths, kv_lengths):
+            return b, hk * G + g, j, q_block(b, j, band.first_q_block(cfg, j) + t, q_lengths,
+                                             kv_lengths)
     else:
         def idx(b, hk, j, g, i, q_lengths, kv_lengths, offsets=None):
             return b, hk * G + g, j, q_block(b, j, i, q_lengths, kv_lengths, offsets)
@@ -267,7 +275,7 @@ def dkdv_grid_spec(cfg: ForwardConfig, fused: int = 0) -> BackwardGridSpec:
         grid = (B, K, n, cfg.num_kv_blocks, G, per)
         dims = ("parallel", "parallel") + ("arbitrary",) * 4
     else:
-        grid = (B, K, cfg.num_kv_blocks, G, cfg.num_q_blocks)
+        grid = (B, K, cfg.num_kv_blocks, G, band.q_steps(cfg) if banded else cfg.num_q_blocks)
         dims = ("parallel", "parallel", "arbitrary" if n else "parallel", "arbitrary",
                 "arbitrary")
     return BackwardGridSpec(
