@@ -25,8 +25,11 @@ def stored_before(name: str) -> dict:
     under a soft cap before it folded ``scale/cap`` into the query block; against the
     ``--soft-cap`` run, :data:`flashlab.dispatch.static_table.STORED_OPTIONS`),
     ``"window_band_before"`` (the ``--window`` run before the tiles inside the band stopped
-    building a mask and the default blocks under a window were priced from it). Chapters 05
-    and 07 set these against a run with :func:`tpu_static_report.before_after_table`."""
+    building a mask and the default blocks under a window were priced from it),
+    ``"window_grid_before"`` (that run's fused-backward rows, on the transposed visit list,
+    before the dK/dV kernel walked the band by arithmetic: :func:`flashlab.kernels.band.
+    grid_applies`). Chapters 05 and 07 set these against a run with
+    :func:`tpu_static_report.before_after_table`."""
     return json.loads((DATA / f"{name}.json").read_text())
 
 
