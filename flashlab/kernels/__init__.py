@@ -7,7 +7,9 @@
   :mod:`~flashlab.kernels.visit` (the grid over visible blocks only),
   :mod:`~flashlab.kernels.forward` (the kernel and its call).
 - The backward (chapter 07): :mod:`~flashlab.kernels.backward_grid` and
-  :mod:`~flashlab.kernels.backward` (dK/dV, dQ and dBias kernels).
+  :mod:`~flashlab.kernels.backward` (the dK/dV, fused and dQ kernels),
+  :mod:`~flashlab.kernels.dbias` (the dBias kernel); :mod:`~flashlab.kernels.band` (a
+  window's band: unmasked inside tiles, the dK/dV kernel's band grid).
 - Decode (chapter 12): :mod:`~flashlab.kernels.decode_grid` and :mod:`~flashlab.kernels.decode`.
 - Block sizes: :mod:`~flashlab.kernels.blocks` (VMEM budgets and estimates, per-chip facts),
   :mod:`~flashlab.kernels.block_ranges` (the visible block ranges and the clamp: block

@@ -26,7 +26,8 @@ both; :func:`backward_grid.resolve_backward` picks):
 * **dBias kernel**, for a bias broadcast over batch and/or heads (and any differentiated bias
   under the fused kernel, which has no dQ kernel to write dS): grid (bias axes, ``T_r``,
   ``T_c``, broadcast axes), dBias accumulated in its float32 output block over the innermost
-  broadcast axes (:func:`dbias_grid_spec`): no ``[B, N, T, S]`` array.
+  broadcast axes (:func:`dbias_grid_spec`, :mod:`flashlab.kernels.dbias`): no ``[B, N, T, S]``
+  array.
 
 A bias or mask with a T or S dim of 1 (``[.., 1, S]``, ``[.., T, 1]``) is read by every kernel
 as blocks of 1 on that dim, broadcast in VMEM (:func:`forward.scores_block`). Only when the
@@ -45,6 +46,9 @@ The fused kernel of a plain causal MHA folds instead (:func:`diagonal.folds`): k
 and ``T_c − 1 − p`` share grid row ``p``, so its grid holds the visible tiles exactly with
 ``(j, i)`` found by arithmetic, and each kv block's first (crossed) tile writes dK, dV rather
 than adding to zeroed accumulators (:func:`diagonal.writes_first`).
+Under a window the dK/dV kernel walks the band by arithmetic instead, ``(b, hk, j, g, t)``
+(:func:`band.grid_applies`). Where every block is visible (:func:`blocks.every_block_visible`)
+the dense grids clamp and test nothing.
 Otherwise, on the dense grids, skipped steps run with neither compute nor DMA: the dQ kernel
 clamps ``j`` into :func:`blocks.kv_block_range`, the dK/dV kernel clamps ``i`` into
 :func:`blocks.q_block_range`; each kernel's ``pl.when`` tests the same range, so the index
@@ -68,9 +72,10 @@ from flashlab.kernels import visit
 from flashlab.compat.pallas import pl
 from flashlab.kernels.backward_cost import cost_estimate
 from flashlab.kernels.backward_tile import tile as _tile
+from flashlab.kernels.dbias import dbias_kernel
 from flashlab.kernels.refs import RefNames, Window, name_refs
 from flashlab.kernels.backward_grid import (
-    BackwardGridSpec, _dbias_order, _full_bias, dbias_config, _q_range, dbias_grid_spec, dkdv_grid_spec, dq_grid_spec, resolve_backward, chunk_of_block, D_ROW, LOG2E, LSE_ROW, ForwardConfig)
+    BackwardGridSpec, _full_bias, dbias_config, _q_range, dbias_grid_spec, dkdv_grid_spec, dq_grid_spec, resolve_backward, chunk_of_block, D_ROW, LOG2E, LSE_ROW, ForwardConfig)
 
 __all__ = ["flash_attention_backward", "EARLY_DV"]
 
@@ -290,35 +295,6 @@ def _dq_kernel(*refs, cfg: ForwardConfig, names: RefNames, has_ds):
     @pl.when(last)
     def _write():
         dq_ref[...] = (dq_acc[...] * cfg.scale).astype(dq_ref.dtype)   # scale once per row
-
-
-def dbias_kernel(*refs, cfg: ForwardConfig, names: RefNames):
-    """Step over :func:`_dbias_order`: dBias_ij += dS_ij of one broadcast (b, h); ``refs`` by
-    name."""
-    ins = name_refs(refs, names)
-    offsets_ref, dbias_ref = ins.get("offsets"), ins["dbias"]
-    q_lengths_ref, kv_lengths_ref = ins["q_lengths"], ins["kv_lengths"]
-    order = _dbias_order(cfg)
-    ax = {a: pl.program_id(n) for n, a in enumerate(order)}
-    b, i, j = ax["b"], ax["i"], ax["j"]
-    q_len, kv_len = q_lengths_ref[b], kv_lengths_ref[b]
-
-    bc = order[4 - sum(cfg.bias_bcast[:2]):]            # the broadcast axes, innermost
-
-    def _init():
-        dbias_ref[...] = jnp.zeros(dbias_ref.shape, jnp.float32)
-    if bc:
-        pl.when(functools.reduce(jnp.logical_and, [ax[a] == 0 for a in bc]))(_init)
-    else:                                               # a full-shape bias: dBias = dS
-        _init()
-
-    lo, hi = forward_grid._kv_range(cfg, 0, i, (q_len,), (kv_len,), offsets_ref)
-
-    @pl.when(jnp.logical_and(lo <= j, j <= hi))
-    def _compute():
-        ds = _tile(ins, cfg, *forward_grid.global_starts(
-            offsets_ref, i * cfg.block_q, j * cfg.block_k, q_len, kv_len))[1]
-        dbias_ref[...] += ds
 
 
 def _call(gs: BackwardGridSpec, kernel_fn, kernel: str, interpret, q_lengths, kv_lengths, ops):
