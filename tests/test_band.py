@@ -16,6 +16,7 @@ from flashlab.contract import device
 from flashlab.contract.masks import block_fully_visible, structural_visible, validate
 from flashlab.kernels import band, flash_attention
 from flashlab.kernels.backward_grid import make_backward_config
+from flashlab.kernels.block_ranges import q_block_range
 from flashlab.kernels.forward_config import make_config
 from flashlab.ladder.reference import oracle_attention
 from test_kernel_backward import F32_RTOL, oracle_grads
@@ -169,8 +170,8 @@ BAND_GRIDS = [  # (q_len, kv_len, blocks, kw): the dK/dV kernel's band grid
 @pytest.mark.parametrize("q_len, kv_len, blocks, kw", BAND_GRIDS)
 def test_band_grid_covers_each_kv_rows_visible_q_blocks(q_len, kv_len, blocks, kw):
     """Every q block that sees some key of kv block ``j`` (score by score, from the mask
-    itself) lies in ``[first_q_block(j), first_q_block(j) + q_steps)``; traced, the first
-    block is the same; and the band grid's q index map, replayed over its steps, fetches each
+    itself) lies in ``[lo, lo + q_steps)``, ``lo`` the first of ``q_block_range(j)``; and the
+    band grid's q index map, replayed over its steps, fetches each
     row's visible q blocks in order (repeats only where a step is past the row's last)."""
     bq, bk = blocks
     x = jax.ShapeDtypeStruct((1, q_len, 2, 64), jnp.float32)
@@ -190,8 +191,9 @@ def test_band_grid_covers_each_kv_rows_visible_q_blocks(q_len, kv_len, blocks, k
     for j in range(cfg.num_kv_blocks):
         seen = [i for i in range(cfg.num_q_blocks)
                 if vis[i * bq:(i + 1) * bq, j * bk:(j + 1) * bk].any()]
-        first = band.first_q_block(cfg, j)
-        assert int(band.first_q_block(cfg, jnp.int32(j))) == first
+        first = q_block_range(j, q_len, kv_len, block_q=bq, block_k=bk,
+                              is_causal=kw.get("is_causal", False),
+                              window=kw["local_window_size"])[0]
         assert all(first <= i < first + n for i in seen), (j, first, n, seen)
         ql, kl = np.array([q_len]), np.array([kv_len])
         fetched = [int(gs.spec("q").index_map(0, 0, j, 1, t, ql, kl)[2]) for t in range(n)]

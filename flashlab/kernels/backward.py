@@ -128,10 +128,11 @@ def _dkdv_kernel(*refs, cfg: ForwardConfig, names: RefNames, fused: int = 0):
         # region beside init and finalize, as on the other grids, where the static schedule's
         # reader (tpu_schedule.analyze) tells them apart; it costs the step a compare
         run, ranged = pl.program_id(3) < diagonal.fold_length(cfg), False
-    elif band.grid_applies(cfg, max(fused, 1)):  # (b, hk, j, g, t): the window's band
+    elif band.grid_applies(cfg, max(fused, 1)):  # (b, hk, j, g, t): q block lo + t of the band
         j, t = pl.program_id(2), pl.program_id(4)
-        i = band.first_q_block(cfg, j) + t
-        first_i, last_i, run, ranged = t == 0, t == band.q_steps(cfg) - 1, None, True
+        lo, hi = _q_range(cfg, 0, j, (q_len,), (kv_len,))     # the index map's range, once
+        i = lo + t
+        first_i, last_i, run, ranged = t == 0, t == band.q_steps(cfg) - 1, i <= hi, False
     else:
         j, i = pl.program_id(2), pl.program_id(4)
         first_i, last_i, run, ranged = i == 0, i == cfg.num_q_blocks - 1, None, True

@@ -156,8 +156,8 @@ def dkdv_grid_spec(cfg: ForwardConfig, fused: int = 0) -> BackwardGridSpec:
     sharing kv head ``hk`` run innermost, so dK_j, dV_j still accumulate over every (g, i)
     before the row's last visit writes them. Only ``b`` and ``hk`` are parallel. A plain
     causal MHA's fused kernel runs on the folded grid ``(b, hk, p, s)`` (:func:`diagonal.folds`),
-    and a window's on the band grid ``(b, hk, j, g, t)``, q block ``band.first_q_block(j) + t``
-    (:func:`band.grid_applies`: no list to read).
+    and a window's on the band grid ``(b, hk, j, g, t)``: q block ``lo + t``, ``lo`` the first
+    of :func:`blocks.q_block_range` (:func:`band.grid_applies`: no list to read).
 
     ``fused`` (an int ``n ≥ 1``, or True for 1): the fused backward, one kernel for dQ, dK and
     dV. Its float32 output ``dq [B, N, T, d]`` (unscaled) is read in blocks ``[G, T / n, d]``,
@@ -210,10 +210,10 @@ def dkdv_grid_spec(cfg: ForwardConfig, fused: int = 0) -> BackwardGridSpec:
 
         def chunk_of(b, hk, c, *a):
             return c
-    elif banded:                        # (b, hk, j, g, t): q block first_q_block(j) + t
+    elif banded:                        # (b, hk, j, g, t): q block lo + t, lo the range's first
         def idx(b, hk, j, g, t, q_lengths, kv_lengths):
-            return b, hk * G + g, j, q_block(b, j, band.first_q_block(cfg, j) + t, q_lengths,
-                                             kv_lengths)
+            lo, hi = _q_range(cfg, b, j, q_lengths, kv_lengths)
+            return b, hk * G + g, j, blk.clamp_block(lo + t, lo, hi, cfg.num_q_blocks)
     else:
         def idx(b, hk, j, g, i, q_lengths, kv_lengths, offsets=None):
             return b, hk * G + g, j, q_block(b, j, i, q_lengths, kv_lengths, offsets)

@@ -16,14 +16,16 @@ schedule prices the two paths apart: the unmasked tile is the kernel's tile, and
 (:func:`flashlab.instruments.tpu_schedule.kernel_cycles`, ``cases``).
 
 The dK/dV kernel (split or fused) walks the band by arithmetic rather than by a visit list
-(:func:`grid_applies`): kv block ``j`` is seen by at most :func:`q_steps` q blocks, from
-:func:`first_q_block` on, so its grid ``(b, hk, j, g, t)`` runs q block ``first_q_block(j) +
-t``. A step past the row's last visible block fetches nothing (the index map clamps it) and
-computes nothing (the kernel tests the same range). Where a visit step reads ``(j, i)`` and
-its flags from SMEM for every operand's index map, twice a step, this one computes the first
-block from ``j`` (a multiply and a division by the block): v5e, 512², causal T = 8192 under a
-1024-key window, the fused backward's step falls from 303 to 225 cycles (v6e 297 -> 223; the
-split dK/dV kernel's 262 -> 191 and 255 -> 198), for 48 steps a kv row where the list has 46.
+(:func:`grid_applies`): kv block ``j`` is seen by at most :func:`q_steps` q blocks, from the
+first of its range ``lo`` (:func:`block_ranges.q_block_range`, from positions alone) on, so
+its grid ``(b, hk, j, g, t)`` runs q block ``lo + t``. A step past the row's last visible
+block, ``hi``, fetches nothing (the index map clamps it) and computes nothing (the kernel
+tests ``lo + t <= hi``, on the range the index map computes). Where a visit step reads ``(j, i)`` and
+its flags from SMEM for every operand's index map, twice a step, this one computes the range
+from ``j`` (a multiply and a division by the block), once for the index map's clamp and once
+for the kernel's test: v5e, 512², causal T = 8192 under a 1024-key window, the fused
+backward's step falls from 303 to 215 cycles (v6e 297 -> 215; the split dK/dV kernel's 262 ->
+191 and 255 -> 186), for 48 steps a kv row where the list has 46.
 The forward keeps its visit list: walked the same way (``kv_block_range``'s first block of q
 block ``i``), its step fell only from 179 to 167 cycles on v5e (176 to 166 on v6e), and its 48
 steps a row against the list's 46 left the whole forward where it was (1.521 -> 1.520 ms on
@@ -40,11 +42,11 @@ from flashlab.kernels.block_ranges import num_edge_blocks, q_block_range
 # imports this one, so importing it back would make a cycle.
 
 __all__ = ["applies", "forward_applies", "inside", "visits", "forward_visits", "GRID_MAX_SHARE",
-           "grid_applies", "first_q_block", "q_steps"]
+           "grid_applies", "q_steps"]
 
 #: The band grid's steps may be at most this many times the transposed visit list's
-#: (:func:`grid_applies`): a band step that computes nothing still costs a step, ~75% of a
-#: visit step (225 against 303 cycles on v5e, 223 against 297 on v6e), so up to 1.3x the
+#: (:func:`grid_applies`): a band step that computes nothing still costs a step, ~70% of a
+#: visit step (215 against 303 cycles on v5e, 215 against 297 on v6e), so up to 1.4x the
 #: steps would still break even; 1.25 leaves a margin.
 GRID_MAX_SHARE = 1.25
 
@@ -88,18 +90,10 @@ def forward_visits(cfg: ForwardConfig) -> tuple[int, ...]:
     return visits(cfg) if forward_applies(cfg) else ()
 
 
-def first_q_block(cfg: ForwardConfig, j):
-    """The first q block that may see kv block ``j`` (ints or traced): the ``lo`` of
-    :func:`block_ranges.q_block_range`, which follows from positions alone (causal, the
-    window's right edge)."""
-    return q_block_range(j, cfg.q_len, cfg.kv_len, block_q=cfg.block_q, block_k=cfg.block_k,
-                         is_causal=cfg.is_causal, window=cfg.window)[0]
-
-
 @functools.lru_cache(maxsize=64)
 def q_steps(cfg: ForwardConfig) -> int:
     """The band grid's steps per kv row: the most q blocks any kv block may be seen by, from
-    :func:`first_q_block` on (run-time lengths only ever shorten a row)."""
+    the first of its range on (run-time lengths only ever shorten a row)."""
     n = 1
     for j in range(cfg.num_kv_blocks):
         lo, hi = q_block_range(j, cfg.q_len, cfg.kv_len, block_q=cfg.block_q,
