@@ -10,8 +10,8 @@ requirements.txt or pyproject.toml change.
 
 The JAX-range legs check both ends of the supported range in pyproject.toml
 (``jax>=LOW,<HIGH``): ``.venv-jax-oldest`` (this Python, ``jax==LOW``) and
-``.venv-jax-newest`` (the newest Python >= 3.12 found, the newest jax pip resolves below
-HIGH, with libtpu) each run the ``compat`` tests (tests/test_compat.py); the newest leg also
+``.venv-jax-newest`` (the newest Python >= 3.12 found, the newest jax[tpu] release below
+HIGH that installs from the index, with its libtpu) each run the ``compat`` tests (tests/test_compat.py); the newest leg also
 compiles the base row of the TPU compile matrix with the newest TPU compiler. A missing Python >= 3.12 skips
 the newest leg with a printed message; set FLASHLAB_NEWEST_PYTHON to choose the interpreter.
 
@@ -89,8 +89,50 @@ def ensure_venv() -> None:
     if not PY.exists():
         sh(sys.executable, "-m", "venv", VENV)
     sh(PY, "-m", "pip", "install", "-q", "--upgrade", "pip")
-    sh(PY, "-m", "pip", "install", "-q", "-r", "requirements.txt", "-e", ".")
+    sh(PY, "-m", "pip", "install", "-q", "-r", "requirements.txt", "-e", ".", installable_jax_tpu(PY))
     stamp_file.write_text(stamp)
+
+
+def _version(v: str) -> tuple[int, ...] | None:
+    """``"0.12.0.1"`` -> ``(0, 12, 0, 1)``; None for a pre-release or anything not all digits."""
+    parts = v.strip().split(".")
+    return tuple(map(int, parts)) if all(p.isdigit() for p in parts) else None
+
+
+def installable_jax_tpu(py, log=None) -> str:
+    """``jax[tpu]==V``: the newest jax in pyproject.toml's range that ``py``'s pip can install.
+
+    Each jax[tpu] release pins the libtpu built with it, and a package index can hold a jax
+    release before its libtpu (a mirror had jax 0.12.1 and not libtpu 0.0.53). Asked for
+    ``jax[tpu]<HIGH``, pip then backtracks through every older jax for over a minute and fails
+    on a 2021 release's URL dependency. So each release in the range is asked for by name,
+    newest first (a failing dry run takes about 2 s), and the first that resolves is pinned.
+    Falls back to the plain range when pip cannot list the releases.
+    """
+    low, high = jax_range()
+    out = subprocess.run([str(py), "-m", "pip", "index", "versions", "jax"],
+                         capture_output=True, text=True, cwd=ROOT)
+    m = re.search(r"Available versions: (.*)", out.stdout)
+    releases = [v.strip() for v in m.group(1).split(",")] if m else []
+    in_range = [v for v in releases
+                if (t := _version(v)) is not None and _version(low) <= t < _version(high)]
+    if not in_range:
+        print(f"dev.py: pip lists no jax release in [{low}, {high}); asking for the range",
+              file=log or sys.stdout, flush=True)
+        return f"jax[tpu]>={low},<{high}"
+    for v in in_range[:6]:
+        dry = subprocess.run([str(py), "-m", "pip", "install", "--dry-run", "-q", f"jax[tpu]=={v}"],
+                             capture_output=True, text=True, cwd=ROOT)
+        if dry.returncode == 0:
+            if v != in_range[0]:
+                print(f"dev.py: jax[tpu] {in_range[0]} does not install from this index (its "
+                      f"libtpu is missing, most likely); using jax[tpu]=={v}, the newest that "
+                      "does", file=log or sys.stdout, flush=True)
+            return f"jax[tpu]=={v}"
+        why = (dry.stderr.strip().splitlines() or ["?"])[-1]
+        print(f"dev.py: jax[tpu]=={v} does not resolve: {why}", file=log or sys.stdout, flush=True)
+    raise SystemExit(f"dev.py: none of jax[tpu] {', '.join(in_range[:6])} installs from this "
+                     "index")
 
 
 def env() -> dict:
@@ -180,11 +222,12 @@ def newest_python() -> str | None:
     return None
 
 
-def compat_venv(venv: Path, python: str, jax_spec: list[str], log=None) -> Path:
-    """A venv with flashlab (editable), ``jax_spec``, pytest and hypothesis; reused if unchanged."""
+def compat_venv(venv: Path, python: str, jax_spec: list[str] | None, log=None) -> Path:
+    """A venv with flashlab (editable), ``jax_spec``, pytest and hypothesis; reused if unchanged.
+    ``jax_spec=None``: the newest jax[tpu] in the range that installs (installable_jax_tpu)."""
     py = venv / "bin" / "python"
     stamp = hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + " ".join(
-        [python, *jax_spec, *LEG_TEST_DEPS]).encode()).hexdigest()
+        [python, *(jax_spec or ["newest jax[tpu]"]), *LEG_TEST_DEPS]).encode()).hexdigest()
     stamp_file = venv / ".flashlab-stamp"
     if py.exists() and stamp_file.exists() and stamp_file.read_text() == stamp:
         return py
@@ -192,14 +235,17 @@ def compat_venv(venv: Path, python: str, jax_spec: list[str], log=None) -> Path:
         shutil.rmtree(venv)
     sh(python, "-m", "venv", venv, log=log)
     sh(py, "-m", "pip", "install", "-q", "--upgrade", "pip", log=log)
+    if jax_spec is None:                # the newest jax[tpu] release pip can install here
+        jax_spec = [installable_jax_tpu(py, log=log)]
     sh(py, "-m", "pip", "install", "-q", "-e", ".", *jax_spec, *LEG_TEST_DEPS, log=log)
     stamp_file.write_text(stamp)
     return py
 
 
-def leg_specs() -> list[tuple[str, Path, str, list[str]]]:
-    """``(name, venv, python, pip spec)`` of the JAX-range legs this machine can run."""
-    low, high = jax_range()
+def leg_specs() -> list[tuple[str, Path, str, list[str] | None]]:
+    """``(name, venv, python, pip spec)`` of the JAX-range legs this machine can run; the
+    newest leg's spec is None: resolved when its venv is built (installable_jax_tpu)."""
+    low, _ = jax_range()
     legs = [("oldest", ROOT / ".venv-jax-oldest", sys.executable,
              [f"jax=={low}", f"jaxlib=={low}"])]
     newest = newest_python()
@@ -208,7 +254,7 @@ def leg_specs() -> list[tuple[str, Path, str, list[str]]]:
               "$FLASHLAB_NEWEST_PYTHON, python3.12..3.14 on PATH, ~/.pyenv/versions). JAX "
               f"releases after 0.10 need Python >= 3.12; only jax=={low} is checked.", flush=True)
     else:
-        legs.append(("newest", ROOT / ".venv-jax-newest", newest, [f"jax[tpu]<{high}"]))
+        legs.append(("newest", ROOT / ".venv-jax-newest", newest, None))
     return legs
 
 

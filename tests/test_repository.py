@@ -91,6 +91,32 @@ def test_readme_states_the_supported_jax_range():
     assert f"`{rng}`" in (ROOT / "README.md").read_text(), f"README must state JAX {rng}"
 
 
+def test_dev_py_pins_the_newest_jax_that_installs(monkeypatch, capsys):
+    """An index can hold a jax[tpu] release before the libtpu it pins: dev.py then pins the
+    newest release that resolves rather than letting pip backtrack to a 2021 jax (which fails on
+    its URL dependency, as CI did when jax 0.12.1 came out before libtpu 0.0.53)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("flashlab_dev", ROOT / ".ci" / "dev.py")
+    dev = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(dev)
+    monkeypatch.setattr(dev, "jax_range", lambda: ("0.7.0", "0.13"))
+    asked = []
+
+    def fake_run(cmd, **kw):
+        asked.append(cmd[3:])
+        if cmd[3:5] == ["index", "versions"]:
+            out = "jax (0.13.0)\nAvailable versions: 0.13.0, 0.12.1, 0.12.0.1, 0.6.2\n"
+            return subprocess.CompletedProcess(cmd, 0, out, "")
+        ok = cmd[-1] != "jax[tpu]==0.12.1"
+        err = "" if ok else "ERROR: No matching distribution found for libtpu==0.0.53.*"
+        return subprocess.CompletedProcess(cmd, 0 if ok else 1, "", err)
+    monkeypatch.setattr(dev.subprocess, "run", fake_run)
+    assert dev.installable_jax_tpu("python") == "jax[tpu]==0.12.0.1"
+    assert [a[-1] for a in asked[1:]] == ["jax[tpu]==0.12.1", "jax[tpu]==0.12.0.1"]
+    assert "libtpu==0.0.53" in capsys.readouterr().out
+    assert dev._version("0.12.0rc1") is None and dev._version("0.12.0.1") == (0, 12, 0, 1)
+
+
 def test_every_public_callable_is_on_the_api_page():
     """``book/api.md`` documents (autodoc) every function/class of ``flashlab.__all__`` and of
     ``flashlab.models.__all__``, and the page is in the book."""
