@@ -161,6 +161,24 @@ def test_live_compile_bench_rows():
                                                         causal=True, block=512)).lower()
 
 
+@needs_libtpu
+def test_live_compile_v6e_prices_a_256_deep_pass_like_a_128_deep_one():
+    """v6e's compiler gives the fused backward tile the same MXU cycles at d=256 as at d=128 (twice
+    the FLOPs), so with the clock derived from JAX's peak the d=256 estimate reads below the
+    peak-FLOP floor; the table marks the row and says why (BELOW_FLOOR) instead of printing an
+    impossible figure unremarked."""
+    from flashlab.benchmarks import tpu_static as bts
+    from flashlab.benchmarks import tpu_static_report
+    rows = {d: bts.measure(chips=["v6e"], libraries=["flashlab"], modes=["equal"],
+                           kernels=["fused"], block=512, batch=1, seq_len=2048, heads=2,
+                           head_dim=d, causal=False, progress=False)[0][0] for d in (128, 256)}
+    assert rows[128]["mxu_cycles"] == rows[256]["mxu_cycles"]
+    assert rows[128]["ratio_floor"] > 1 > rows[256]["ratio_floor"]
+    text = tpu_static_report.table([rows[128], rows[256]])
+    assert text.count("!") == 2 and tpu_static_report.BELOW_FLOOR[:40] in text.replace("\n", " ")
+    assert "!" not in tpu_static_report.table([rows[128]])
+
+
 @pytest.mark.parametrize("causal", [True, False])
 def test_window_flops_count_every_visible_score(causal):
     """``--window LEFT``: ``(LEFT, 0)`` causal, ``(LEFT, LEFT)`` not; its FLOPs count the

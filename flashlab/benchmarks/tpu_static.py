@@ -44,7 +44,14 @@ def chip_clock(chip: str) -> tuple[float | None, float | None, str]:
     JAX's per-core table: ``bf16_ops_per_second / (num_mxus x mxu_column_size**2 x 2)``. That gives
     the public clocks of v4 (1.05 GHz), v5e (1.5) and v5p (1.75); for v6e and 7x it gives 3.5
     and 4.4 GHz, which says JAX's per-core MXU count (2) and the compiler's (2) describe a
-    wider machine than the clock alone: their ms are less certain than their cycles.
+    wider machine than the clock alone: their ms are less certain than their cycles. Their
+    compiler gives a tile at d=256 the MXU cycles of d=128 (512², per MXU: the forward 512 at
+    both, the fused backward 1280, for twice the FLOPs), so at d=256 an estimate can
+    read below the peak-FLOP floor (B=2 T=4096 H=16 causal, 512²: v6e's fused backward 0.61 ms
+    against a 0.75 ms floor). Either the real clock is half the derived one (and at d <= 128
+    their MXUs reach half their peak at most) or the model is optimistic at d=256; a TPU run
+    decides. The ratios between libraries hold either way. The table marks such rows
+    (``BELOW_FLOOR``).
     """
     from flashlab.compat import pallas as compat
     try:

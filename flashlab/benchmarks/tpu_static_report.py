@@ -199,10 +199,21 @@ def table(rows) -> str:
             ratio = r["est_cycles"] / splash[key]
         rs = "-" if ratio is None else f"{ratio:.2f}"
         rf = "-" if r["ratio_floor"] is None else f"{r['ratio_floor']:.2f}"
+        rf += "!" if (r["ratio_floor"] or 1) < 1 else ""       # below the floor: BELOW_FLOOR
         out.append(f"{left} {str(r['block_q']) + 'x' + str(r['block_k']):>9} "
                    f"{r['tile_cycles']:6d} {r['step_cycles']:5d} {r['occupancy']:5.0%} "
                    f"{ms(r['est_ms']):>8} {ms(r['floor_ms']):>6} {rf:>7} {rs:>8}")
+    if any((r.get("ratio_floor") or 1) < 1 for r in rows):
+        out += textwrap.wrap(BELOW_FLOOR, 92)
     return "\n".join(out)
+
+
+#: The footnote of a row whose estimate reads below the peak-FLOP floor (see chip_clock).
+BELOW_FLOOR = (
+    "!: the estimate reads below the peak-FLOP floor, which no kernel can beat: the compiler's "
+    "MXU model does more multiply-adds a cycle here than the clock derived from JAX's peak allows "
+    "(v6e and 7x give a tile at d=256 the MXU cycles of d=128). Compare this row's cycles "
+    "with other libraries' at the same chip and shape, not its ms with the floor.")
 
 
 def backward_rows(rows) -> list:
