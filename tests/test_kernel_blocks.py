@@ -167,3 +167,36 @@ def test_head_dim_below_128_is_not_padded(d, dv, carried):
         assert minor & {carried[0], carried[1]} and minor <= {*carried, 128, 256}, calls
     fwd = calls[0]["blocks"]
     assert fwd[0][-1] == carried[0] and fwd[2][-1] == carried[1], fwd   # q, v blocks
+
+
+def test_grad_refuses_blocks_that_fit_the_forward_alone():
+    """v4, d=256, 2048 x 512: the forward alone fits (16.0 MiB estimated, 16 MiB limit), the
+    forward that jax.grad runs writes lse too (18.0 MiB; Mosaic ran out at 16.68 of 16): a
+    ValueError naming the blocks and the lse when grad traces, not RESOURCE_EXHAUSTED from the
+    compiler. The default blocks fit it."""
+    import jax
+    from flashlab.kernels import flash
+    x = jax.ShapeDtypeStruct((1, 8192, 2, 256), jnp.bfloat16)
+
+    def loss(q, k, v, **kw):
+        return flash.flash_attention(q, k, v, is_causal=True, chip="v4", interpret=True,
+                                     **kw).astype(jnp.float32).sum()
+    blocks = dict(block_q=2048, block_k=512)
+    jax.eval_shape(lambda q, k, v: loss(q, k, v, **blocks), x, x, x)       # forward: fits
+    with pytest.raises(ValueError, match=r"block_q, block_k: \(2048, 512\).*writes lse"):
+        jax.eval_shape(jax.grad(lambda q, k, v: loss(q, k, v, **blocks)), x, x, x)
+    jax.eval_shape(jax.grad(loss), x, x, x)                                   # defaults: fit
+
+
+@pytest.mark.parametrize("chip", ["v4", "v5e", "v5p", "v6e", "7x"])
+def test_default_blocks_fit_the_differentiated_forward(chip):
+    """Every default forward pair (the measured tables and the heuristic) fits the VMEM
+    estimate with the lse block the differentiated forward writes."""
+    import dataclasses
+    from flashlab.kernels import flash
+    for d, T, causal in itertools.product((64, 128, 256), (2048, 8192, 32768), (True, False)):
+        x = jnp.zeros((1, 1, 1, d), jnp.bfloat16)
+        spec = validate(x, x, x, None, None, is_causal=causal)[3]
+        spec = dataclasses.replace(spec, q_len=T, kv_len=T)
+        cfg = make_config(spec, chip=chip)
+        flash._check_lse_fits(dataclasses.replace(cfg, return_lse=True))

@@ -62,7 +62,9 @@ def _flashlab(chip, backward, causal, block, shape, dtype, window=None, soft_cap
     def probe(q, k, v):                      # the blocks as the kernels resolve them
         q, k, v, spec = masks.validate(q, k, v, None, None, is_causal=causal,
                                        local_window_size=window, logits_soft_cap=soft_cap)
-        f = forward_config.make_config(spec, block_q=bq, block_k=bk, chip=chip)
+        # differentiated, the forward writes lse too: its VMEM check counts that block
+        f = forward_config.make_config(spec, block_q=bq, block_k=bk, chip=chip,
+                                       return_lse=backward)
         got["fwd"] = (f.block_q, f.block_k)
         # the query strips' cases, or a window's edge tiles (band.py), else row chunks
         got["forward_cases"] = diagonal.forward_visits(f) or band.forward_visits(f)

@@ -16,6 +16,7 @@ from flashlab.compat.shard_map import in_manual_mesh, pvary, vma_of
 from flashlab.contract import layouts, masks
 from flashlab.contract.masks import AttentionSpec
 from flashlab.kernels import backward
+from flashlab.kernels import blocks as blk
 from flashlab.kernels import backward_grid
 from flashlab.kernels import forward as fwd
 from flashlab.kernels import forward_config
@@ -37,6 +38,21 @@ _attention = jax.custom_vjp(_attention_impl, nondiff_argnums=(4, 5, 6))
 _attention_manual = jax.custom_vjp(_attention_impl, nondiff_argnums=(4, 5, 6))
 
 
+def _check_lse_fits(cfg) -> None:
+    """Raise ``ValueError`` where ``cfg``'s blocks fit the forward alone but not the forward
+    that differentiation runs, which also writes lse (``[block_q, 128]`` float32, double
+    buffered: 2 MiB at ``block_q`` = 2048), instead of letting Mosaic run out of VMEM (v4,
+    d=256, 2048 x 512: 16.0 MiB estimated without lse, 18.0 with; Mosaic used 16.68 of 16)."""
+    try:
+        blk.check_block_sizes(cfg.block_q, cfg.block_k, head_dim=cfg.head_dim, dtype=cfg.dtype,
+                              head_dim_v=cfg.head_dim_v, bias_dtype=cfg.bias_dtype,
+                              has_mask=cfg.mask_bcast is not None,
+                              has_segments=cfg.has_segments, return_lse=True, chip=cfg.chip)
+    except ValueError as e:
+        raise ValueError(f"{e} (differentiated, the forward also writes lse, [block_q, 128] "
+                         f"float32)") from None
+
+
 def _attention_fwd(query, key, value, spec, cfg, bwd_cfg, interpret):
     # symbolic_zeros=True: every array leaf arrives as CustomVJPPrimal(value, perturbed), so
     # the backward knows whether the bias is differentiated (a constant bias gets no dS).
@@ -47,9 +63,11 @@ def _attention_fwd(query, key, value, spec, cfg, bwd_cfg, interpret):
             lambda x: x.value, (query, key, value, spec), is_leaf=is_primal)
     else:                                                 # _attention_manual
         with_dbias = spec.bias is not None
-    # Differentiated: also emit lse [B, N, T] (O(N)), the only residual besides the inputs/O.
-    out, lse = fwd._forward(query, key, value, spec,
-                            cfg=dataclasses.replace(cfg, return_lse=True), interpret=interpret)
+    # Differentiated: also emit lse [B, N, T] (O(N)), the only residual besides the inputs/O;
+    # blocks given for the forward alone may not leave VMEM for its block (_check_lse_fits).
+    cfg = dataclasses.replace(cfg, return_lse=True)
+    _check_lse_fits(cfg)
+    out, lse = fwd._forward(query, key, value, spec, cfg=cfg, interpret=interpret)
     flag = jnp.zeros((0,), jnp.float32) if with_dbias else None     # static, in the structure
     return out, (query, key, value, spec, out, lse, flag)
 
@@ -110,9 +128,10 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None, is_c
 
       block_q, block_k: B_r and B_c. Default: :func:`flashlab.kernels.choose_block_sizes` for
         this TPU generation and shape (under a window, priced for its band). block_q must be a multiple of the sublane tile (8 fp32, 16 bf16,
-        32 with a mask), block_k of 128, and the blocks' VMEM estimate (``blocks.vmem_bytes``)
-        must fit the limit the kernel asks for (``blocks.vmem_limit_bytes``); otherwise
-        ``ValueError`` naming the argument.
+        32 with a mask), block_k of 128, and the blocks' VMEM estimate (``blocks.vmem_bytes``;
+        under ``jax.grad`` with the forward's lse block too) must fit the limit the kernel asks
+        for (``blocks.vmem_limit_bytes``); otherwise ``ValueError`` naming the argument. The
+        default blocks fit the differentiated forward.
       interpret: ``None`` (compiled with Mosaic on a TPU, the generic interpreter elsewhere),
         ``True``/``False``, or a ``pltpu.InterpretParams`` (TPU interpret mode).
       chip: the TPU generation ("v4", "v5e", "v5p", "v6e", "7x") whose VMEM sizes the default

@@ -242,7 +242,7 @@ def make_config(spec: AttentionSpec, *, block_q=None, block_k=None, return_lse=F
     bias_dtype = kw["bias_dtype"]
     auto_q, auto_k = blk.choose_block_sizes(spec.q_len, spec.kv_len, spec.head_dim, dt, chip,
                                             is_causal=spec.is_causal, window=spec.window,
-                                            **kw)
+                                            **dict(kw, return_lse=True))  # as grad runs it
     block_q = auto_q if block_q is None else block_q
     block_k = auto_k if block_k is None else block_k
     blk.check_block_sizes(block_q, block_k, head_dim=spec.head_dim, dtype=dt, chip=chip,
