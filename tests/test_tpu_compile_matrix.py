@@ -107,6 +107,10 @@ OPTIONS = [
     ("d192", "v5e", 2, 1024, 1024, 4, 4, 192, None, BF16, "causal", "default"),
     ("d256", "v4", 2, 1024, 1024, 4, 4, 256, None, BF16, "causal", "max"),
     ("d256-fp32", "v4", 2, 1024, 1024, 4, 4, 256, None, F32, "none", "max"),
+    # d = 256's measured defaults (tpu_static_d256.json): v4 forward 1024², backward 512², its
+    # tightest VMEM; v5e 2048² both, the forward with its lse block under jax.grad
+    ("d256-defaults", "v4", 1, 8192, 8192, 2, 2, 256, None, BF16, "causal", "default"),
+    ("d256-defaults-2048", "v5e", 1, 8192, 8192, 2, 2, 256, None, BF16, "causal", "default"),
     ("dv-ne-d", "v5p", 2, 1024, 1024, 4, 4, 128, 64, BF16, "causal", "default"),
     ("dv-ne-d-wide", "v6e", 2, 1024, 1024, 4, 4, 64, 256, BF16, "none", "max"),
 ]
@@ -154,7 +158,8 @@ def test_flashlab_kernels_compile(case):
         bq, bk = largest_blocks(T, S, d, dtype, chip, dv=dv,
                                 bias_dtype=None if bias is None else jnp.dtype(bias.dtype),
                                 has_mask="mask" in arrays,
-                                has_segments="segment_ids" in arrays)
+                                has_segments="segment_ids" in arrays,
+                                return_lse=True)        # the program differentiates
         block_kw = {"block_q": bq, "block_k": bk, "backward": "split"}
     attn = lambda *a, **kw: flashlab.flash_attention(*a, **kw, **block_kw, interpret=False)  # noqa: E731,E501
     _check(tpu_compile.compile(_program(attn, static, grad_bias), q, k, v, arrays, chip=chip))
