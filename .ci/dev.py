@@ -11,9 +11,10 @@ requirements.txt or pyproject.toml change.
 The JAX-range legs check both ends of the supported range in pyproject.toml
 (``jax>=LOW,<HIGH``): ``.venv-jax-oldest`` (this Python, ``jax==LOW``) and
 ``.venv-jax-newest`` (the newest Python >= 3.12 found, the newest jax[tpu] release below
-HIGH that installs from the index, with its libtpu) each run the ``compat`` tests (tests/test_compat.py); the newest leg also
-compiles the base row of the TPU compile matrix with the newest TPU compiler. A missing Python >= 3.12 skips
-the newest leg with a printed message; set FLASHLAB_NEWEST_PYTHON to choose the interpreter.
+HIGH that installs from the index, with its libtpu) each run the ``compat`` tests
+(tests/test_compat.py); the newest leg also compiles the base row of the TPU compile matrix
+with the newest TPU compiler. A missing Python >= 3.12 skips the newest leg with a printed
+message; set FLASHLAB_NEWEST_PYTHON to choose the interpreter.
 
 Wall time on a 2-core machine is what CI pays, so two stages run in the background: the legs'
 venvs are built (downloads, mostly) while the unit tests hold the CPUs, and the book (stored
@@ -89,7 +90,8 @@ def ensure_venv() -> None:
     if not PY.exists():
         sh(sys.executable, "-m", "venv", VENV)
     sh(PY, "-m", "pip", "install", "-q", "--upgrade", "pip")
-    sh(PY, "-m", "pip", "install", "-q", "-r", "requirements.txt", "-e", ".", installable_jax_tpu(PY))
+    sh(PY, "-m", "pip", "install", "-q", "-r", "requirements.txt", "-e", ".",
+       installable_jax_tpu(PY))
     stamp_file.write_text(stamp)
 
 
