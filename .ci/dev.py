@@ -112,6 +112,7 @@ def installable_jax_tpu(py, log=None) -> str:
     Falls back to the plain range when pip cannot list the releases.
     """
     low, high = jax_range()
+    say = log or sys.stdout
     out = subprocess.run([str(py), "-m", "pip", "index", "versions", "jax"],
                          capture_output=True, text=True, cwd=ROOT)
     m = re.search(r"Available versions: (.*)", out.stdout)
@@ -120,7 +121,7 @@ def installable_jax_tpu(py, log=None) -> str:
                 if (t := _version(v)) is not None and _version(low) <= t < _version(high)]
     if not in_range:
         print(f"dev.py: pip lists no jax release in [{low}, {high}); asking for the range",
-              file=log or sys.stdout, flush=True)
+              file=say, flush=True)
         return f"jax[tpu]>={low},<{high}"
     for v in in_range[:6]:
         dry = subprocess.run([str(py), "-m", "pip", "install", "--dry-run", "-q", f"jax[tpu]=={v}"],
@@ -129,10 +130,10 @@ def installable_jax_tpu(py, log=None) -> str:
             if v != in_range[0]:
                 print(f"dev.py: jax[tpu] {in_range[0]} does not install from this index (its "
                       f"libtpu is missing, most likely); using jax[tpu]=={v}, the newest that "
-                      "does", file=log or sys.stdout, flush=True)
+                      "does", file=say, flush=True)
             return f"jax[tpu]=={v}"
         why = (dry.stderr.strip().splitlines() or ["?"])[-1]
-        print(f"dev.py: jax[tpu]=={v} does not resolve: {why}", file=log or sys.stdout, flush=True)
+        print(f"dev.py: jax[tpu]=={v} does not resolve: {why}", file=say, flush=True)
     raise SystemExit(f"dev.py: none of jax[tpu] {', '.join(in_range[:6])} installs from this "
                      "index")
 

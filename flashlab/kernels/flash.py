@@ -38,16 +38,17 @@ _attention = jax.custom_vjp(_attention_impl, nondiff_argnums=(4, 5, 6))
 _attention_manual = jax.custom_vjp(_attention_impl, nondiff_argnums=(4, 5, 6))
 
 
-def _check_lse_fits(cfg) -> None:
+def _check_lse_fits(spec: AttentionSpec, cfg) -> None:
     """Raise ``ValueError`` where ``cfg``'s blocks fit the forward alone but not the forward
     that differentiation runs, which also writes lse (``[block_q, 128]`` float32, double
     buffered: 2 MiB at ``block_q`` = 2048), instead of letting Mosaic run out of VMEM (v4,
-    d=256, 2048 x 512: 16.0 MiB estimated without lse, 18.0 with; Mosaic used 16.68 of 16)."""
+    d=256, 2048 x 512: 16.0 MiB estimated without lse, 18.0 with; Mosaic used 16.68 of 16).
+    The same check as :func:`forward_config.make_config`'s, on the same request facts
+    (:func:`forward_config.block_kwargs`), with the lse block counted."""
     try:
-        blk.check_block_sizes(cfg.block_q, cfg.block_k, head_dim=cfg.head_dim, dtype=cfg.dtype,
-                              head_dim_v=cfg.head_dim_v, bias_dtype=cfg.bias_dtype,
-                              has_mask=cfg.mask_bcast is not None,
-                              has_segments=cfg.has_segments, return_lse=True, chip=cfg.chip)
+        blk.check_block_sizes(cfg.block_q, cfg.block_k, head_dim=spec.head_dim, dtype=cfg.dtype,
+                              chip=cfg.chip,
+                              **dict(forward_config.block_kwargs(spec), return_lse=True))
     except ValueError as e:
         raise ValueError(f"{e} (differentiated, the forward also writes lse, [block_q, 128] "
                          f"float32)") from None
@@ -65,8 +66,8 @@ def _attention_fwd(query, key, value, spec, cfg, bwd_cfg, interpret):
         with_dbias = spec.bias is not None
     # Differentiated: also emit lse [B, N, T] (O(N)), the only residual besides the inputs/O;
     # blocks given for the forward alone may not leave VMEM for its block (_check_lse_fits).
+    _check_lse_fits(spec, cfg)
     cfg = dataclasses.replace(cfg, return_lse=True)
-    _check_lse_fits(cfg)
     out, lse = fwd._forward(query, key, value, spec, cfg=cfg, interpret=interpret)
     flag = jnp.zeros((0,), jnp.float32) if with_dbias else None     # static, in the structure
     return out, (query, key, value, spec, out, lse, flag)
