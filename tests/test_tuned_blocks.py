@@ -24,12 +24,14 @@ def test_table_picks_the_fastest_and_the_heuristic_covers_the_rest(tmp_path, mon
     bf = jnp.bfloat16
     assert blk.choose_block_sizes(8192, 8192, 128, bf, "v5e", is_causal=True) == (1024, 512)
     assert blk.choose_block_sizes(5000, 5000, 64, bf, "v5e", is_causal=True) == (1024, 512)
+    # a length out of [T/2, 2T): the nearest measured class's pair (here the only one)
+    assert blk.choose_block_sizes(32768, 32768, 128, bf, "v5e", is_causal=True) == (1024, 512)
+    assert blk.choose_block_sizes(2048, 1536, 128, bf, "v5e", is_causal=True) == (1024, 512)
     heuristic = blk.choose_block_sizes(8192, 8192, 128, bf, "v5e")
-    # outside every measured class: another chip, non-causal, fp32, T out of [T/2, 2T)
+    # no class for this chip, causality or dtype at all: the heuristic
     for args, kw in [((8192, 8192, 128, bf, "v6e"), dict(is_causal=True)),
                      ((8192, 8192, 128, bf, "v5e"), dict(is_causal=False)),
-                     ((8192, 8192, 128, jnp.float32, "v5e"), dict(is_causal=True)),
-                     ((32768, 32768, 128, bf, "v5e"), dict(is_causal=True))]:
+                     ((8192, 8192, 128, jnp.float32, "v5e"), dict(is_causal=True))]:
         got = blk.choose_block_sizes(*args, **kw)
         assert got == blk.choose_block_sizes(*args), (args, kw, got)
     assert heuristic == blk.choose_block_sizes(8192, 8192, 128, bf, "v5e", is_causal=False)
@@ -58,10 +60,12 @@ def test_backward_pairs_are_ranked_by_dq_plus_dkdv(tmp_path, monkeypatch):
     heuristic = blk.choose_backward_block_sizes(8192, 8192, 128, bf, "v6e")
     assert heuristic == (512, 512)
     for args, kw in [((8192, 8192, 128, bf, "v6e"), dict(is_causal=False)),
-                     ((8192, 8192, 128, bf, "v5e"), dict(is_causal=True)),
-                     ((1024, 1024, 128, bf, "v6e"), dict(is_causal=True))]:
+                     ((8192, 8192, 128, bf, "v5e"), dict(is_causal=True))]:
         assert blk.choose_backward_block_sizes(*args, **kw) == \
             blk.choose_backward_block_sizes(*args), (args, kw)
+    # T = 1024 is outside [4096, 16384): the nearest class's pair, not the heuristic's 512²
+    assert blk.choose_backward_block_sizes(1024, 1024, 128, bf, "v6e", is_causal=True) == \
+        (1024, 1024)
     import pytest
     with pytest.raises(ValueError, match="kernel: expected one of"):
         tuned_blocks.lookup(8192, 8192, 128, bf, "v6e", is_causal=True, kernel="dq")
@@ -209,3 +213,27 @@ def test_the_shipped_window_defaults_are_the_window_runs_fastest():
             assert got == (best["block_q"], best["block_k"]), (chip, kernel)
             narrow = choose(8192, 8192, 128, bf, chip, is_causal=True, window=(1024, 0))
             assert narrow[0] * narrow[1] <= got[0] * got[1], (chip, kernel)
+
+
+def test_a_length_no_sweep_measured_takes_the_nearest_class(tmp_path):
+    """Between and beyond the measured lengths: the class measured nearest (in doublings of
+    each length), the shorter on a tie; a head_dim with a class of its own keeps to it."""
+    def rows(T, bq, d=128):
+        return [dict(r, seq_len=T, head_dim=d, block_q=bq) for r in _rows()[:1]]
+    p = tmp_path / "tpu_blocks.json"
+    tuned_blocks.write(p, tuned_blocks.entries_from_rows(
+        rows(2048, 256) + rows(32768, 1024) + rows(8192, 512, d=64), dtype="bfloat16",
+        command="c", commit="k", versions={}))
+
+    def look(q, kv, d=128):
+        return tuned_blocks.lookup(q, kv, d, jnp.bfloat16, "v5e", is_causal=True,
+                                   path=p)["block_q"]
+    assert look(2048, 2048) == 256 and look(32768, 32768) == 1024     # held by their class
+    assert look(512, 512) == 256 and look(131072, 131072) == 1024     # beyond both ends
+    assert look(4096, 4096) == 256                  # 1 doubling from 2048, 3 from 32768
+    assert look(8192, 8192) == 256                  # 2 and 2: the tie goes to the shorter
+    assert look(16384, 16384) == 1024
+    assert look(512, 131072) == 256                 # 2 + 6 against 6 + 2: the shorter
+    assert look(65536, 65536, d=64) == 512          # d = 64's own class, however far
+    assert tuned_blocks.lookup(8192, 8192, 128, jnp.bfloat16, "v5e", is_causal=False,
+                               path=p) is None      # no non-causal class: the heuristic

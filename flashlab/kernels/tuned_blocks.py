@@ -13,9 +13,12 @@ causal, head_dim as the kernels carry it (:func:`~flashlab.kernels.tiling.kernel
 64 is its own class), sequence length within a factor of two of the measured one:
 ``[T/2, 2T)``); a head_dim below 128 without a class of its own takes the 128-lane one.
 :func:`flashlab.kernels.blocks.choose_block_sizes` and
-:func:`~flashlab.kernels.blocks.choose_backward_block_sizes` take the table's pair when the
-request falls in a class and the pair fits the chip's VMEM and the tiling rule; otherwise the
-VMEM-fit heuristic (the fallback for unmeasured shapes).
+:func:`~flashlab.kernels.blocks.choose_backward_block_sizes` take the table's pair when it
+fits the chip's VMEM and the tiling rule: the pair of the class that holds the request's
+lengths, else of the class measured nearest to them (a sweep's winner hardly moves with the
+length: at T = 2048, 8192 and 32768 the causal sweeps chose the same forward pair on every chip,
+and the same backward pair on three of five). The VMEM-fit heuristic is the fallback for what
+no sweep measured: a chip, dtype, causality or head_dim without a class.
 
 Static estimates: no DMA stalls, no HBM bandwidth. They rank block sizes on one compiler's
 schedule; calibrate on a real TPU when one is available.
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from pathlib import Path
 
 from flashlab.kernels.tiling import kernel_head_dim, lane_pad
@@ -79,12 +83,27 @@ def class_of(chip: str, dtype, causal: bool, head_dim: int, seq_len: int, *,
 
 def lookup(q_len: int, kv_len: int, head_dim: int, dtype, chip: str, *, is_causal: bool,
            kernel: str = "forward", path=None) -> dict | None:
-    """The table entry of ``kernel`` (``"forward"`` or ``"backward"``) for a request, or
-    ``None`` when no measured class holds it: the class of the request's own head_dim
-    (:func:`kernel_head_dim`), else, below 128, the 128-lane class."""
-    return next((e for e in _of_head_dim(head_dim, dtype, chip, kernel, is_causal, path)
-                 if e["seq_min"] <= q_len <= e["seq_max"]
+    """The table entry of ``kernel`` (``"forward"`` or ``"backward"``) for a request: the
+    class of the request's own head_dim (:func:`kernel_head_dim`), else, below 128, the
+    128-lane class; of those, the class that holds both lengths, else the class measured
+    nearest to them (in ``log2`` of the length; the shorter on a tie), so that a length the
+    sweeps skipped takes a measured neighbour's pair, not the heuristic's. ``None`` only
+    where the chip has no class for this (kernel, dtype, causal, head_dim)."""
+    entries = _of_head_dim(head_dim, dtype, chip, kernel, is_causal, path)
+    held = next((e for e in entries if e["seq_min"] <= q_len <= e["seq_max"]
                  and e["seq_min"] <= kv_len <= e["seq_max"]), None)
+    if held is not None or not entries:
+        return held
+    d = entries[0]["head_dim"]              # the nearest class of the first head_dim that has one
+    return min((e for e in entries if e["head_dim"] == d),
+               key=lambda e: (_log_distance(q_len, kv_len, e), e["seq_min"]))
+
+
+def _log_distance(q_len: int, kv_len: int, e) -> float:
+    """How far ``q_len x kv_len`` lies from the length class ``e`` was measured at, in
+    doublings (each length's, summed)."""
+    T = e.get("measured_at", {}).get("seq_len") or (e["seq_max"] + 1) // 2
+    return sum(abs(math.log2(max(n, 1) / T)) for n in (q_len, kv_len))
 
 
 def band_rows(head_dim: int, dtype, chip: str, *, kernel: str = "forward",
