@@ -27,14 +27,13 @@ def test_table_picks_the_fastest_and_the_heuristic_covers_the_rest(tmp_path, mon
     # a length out of [T/2, 2T): the nearest measured class's pair (here the only one)
     assert blk.choose_block_sizes(32768, 32768, 128, bf, "v5e", is_causal=True) == (1024, 512)
     assert blk.choose_block_sizes(2048, 1536, 128, bf, "v5e", is_causal=True) == (1024, 512)
-    heuristic = blk.choose_block_sizes(8192, 8192, 128, bf, "v5e")
-    # no class for this chip, causality or dtype at all: the heuristic
+    # no class of this causality on the chip: the other causality's
+    assert blk.choose_block_sizes(8192, 8192, 128, bf, "v5e", is_causal=False) == (1024, 512)
+    # no class for this chip or dtype at all: the heuristic
     for args, kw in [((8192, 8192, 128, bf, "v6e"), dict(is_causal=True)),
-                     ((8192, 8192, 128, bf, "v5e"), dict(is_causal=False)),
                      ((8192, 8192, 128, jnp.float32, "v5e"), dict(is_causal=True))]:
         got = blk.choose_block_sizes(*args, **kw)
         assert got == blk.choose_block_sizes(*args), (args, kw, got)
-    assert heuristic == blk.choose_block_sizes(8192, 8192, 128, bf, "v5e", is_causal=False)
 
 
 def test_backward_pairs_are_ranked_by_dq_plus_dkdv(tmp_path, monkeypatch):
@@ -59,10 +58,10 @@ def test_backward_pairs_are_ranked_by_dq_plus_dkdv(tmp_path, monkeypatch):
     # other classes, and no is_causal: the heuristic
     heuristic = blk.choose_backward_block_sizes(8192, 8192, 128, bf, "v6e")
     assert heuristic == (512, 512)
-    for args, kw in [((8192, 8192, 128, bf, "v6e"), dict(is_causal=False)),
-                     ((8192, 8192, 128, bf, "v5e"), dict(is_causal=True))]:
-        assert blk.choose_backward_block_sizes(*args, **kw) == \
-            blk.choose_backward_block_sizes(*args), (args, kw)
+    assert blk.choose_backward_block_sizes(8192, 8192, 128, bf, "v5e", is_causal=True) == \
+        blk.choose_backward_block_sizes(8192, 8192, 128, bf, "v5e")     # no v5e class
+    assert blk.choose_backward_block_sizes(8192, 8192, 128, bf, "v6e", is_causal=False) == \
+        (1024, 1024)                                                    # the causal class's
     # T = 1024 is outside [4096, 16384): the nearest class's pair, not the heuristic's 512²
     assert blk.choose_backward_block_sizes(1024, 1024, 128, bf, "v6e", is_causal=True) == \
         (1024, 1024)
@@ -217,7 +216,8 @@ def test_the_shipped_window_defaults_are_the_window_runs_fastest():
 
 def test_a_length_no_sweep_measured_takes_the_nearest_class(tmp_path):
     """Between and beyond the measured lengths: the class measured nearest (in doublings of
-    each length), the shorter on a tie; a head_dim with a class of its own keeps to it."""
+    each length), the shorter on a tie; a head_dim with a class of its own keeps to it; a
+    causality without a class on the chip takes the other's."""
     def rows(T, bq, d=128):
         return [dict(r, seq_len=T, head_dim=d, block_q=bq) for r in _rows()[:1]]
     p = tmp_path / "tpu_blocks.json"
@@ -235,5 +235,14 @@ def test_a_length_no_sweep_measured_takes_the_nearest_class(tmp_path):
     assert look(16384, 16384) == 1024
     assert look(512, 131072) == 256                 # 2 + 6 against 6 + 2: the shorter
     assert look(65536, 65536, d=64) == 512          # d = 64's own class, however far
+    # no non-causal class: the causal ones, by the same rule; one of its own comes first
     assert tuned_blocks.lookup(8192, 8192, 128, jnp.bfloat16, "v5e", is_causal=False,
-                               path=p) is None      # no non-causal class: the heuristic
+                               path=p)["block_q"] == 256
+    nc = [dict(r, causal=False, block_q=128) for r in rows(65536, 0)]
+    tuned_blocks.write(p, tuned_blocks.entries_from_rows(nc, dtype="bfloat16", command="c",
+                                                         commit="k", versions={}))
+    assert tuned_blocks.lookup(2048, 2048, 128, jnp.bfloat16, "v5e", is_causal=False,
+                               path=p)["block_q"] == 128
+    assert look(2048, 2048) == 256
+    assert tuned_blocks.lookup(8192, 8192, 128, jnp.float32, "v5e", is_causal=True,
+                               path=p) is None      # no float32 class: the heuristic
