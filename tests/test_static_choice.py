@@ -183,7 +183,7 @@ def test_each_stored_run_is_one_run_of_the_bench():
     file are a ``bench tpu-static --json`` output installed as it came out (its commit and
     command in ``args``, no row measured elsewhere), at the shape its ``args`` name; the
     other shapes are the issue's (T = 2048 and 32768, d = 64, non-causal at T = 2048, 8192
-    and 32768) and d = 256, each once."""
+    and 32768 and at d = 64) and d = 256, each once."""
     paths = (static_table.STORED, *static_table.STORED_SHAPES)
     shapes = set()
     for p in paths:
@@ -198,7 +198,7 @@ def test_each_stored_run_is_one_run_of_the_bench():
         shapes.add(shape)
     assert shapes == {(8192, 128, True), (2048, 128, True), (32768, 128, True),
                       (8192, 64, True), (2048, 128, False), (8192, 128, False),
-                      (32768, 128, False),
+                      (32768, 128, False), (8192, 64, False),
                       (8192, 256, True)}
     both = static_table.stored_shapes()
     assert [r["path"] for r in both["runs"]] == list(map(str, static_table.STORED_SHAPES))

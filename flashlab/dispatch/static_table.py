@@ -19,13 +19,13 @@ __all__ = ["STORED", "STORED_SHAPES", "KERNELS", "stored", "stored_shapes", "nea
 
 STORED = Path(__file__).resolve().parent.parent / "data" / "tpu_static.json"
 #: Issue 18's other shapes (T = 2048 and 32768, d = 64; causal, and non-causal at T = 2048,
-#: 8192 and 32768), and d = 256 (Gemma's head size: no issue target, measured for its default
-#: blocks): one bench run per shape, each file a run's ``--json`` output as it came out (the
-#: same libraries, kernels and block pairs as :data:`STORED`). Read them together with
-#: :func:`stored_shapes`.
+#: 8192 and 32768 and at d = 64), and d = 256 (Gemma's head size: no issue target, measured
+#: for its default blocks): one bench run per shape, each file a run's ``--json`` output as
+#: it came out (the same libraries, kernels and block pairs as :data:`STORED`). Read them
+#: together with :func:`stored_shapes`.
 STORED_SHAPES = tuple(STORED.parent / f"tpu_static_{name}.json"
                       for name in ("t2048", "t32768", "d64", "noncausal_t2048", "noncausal",
-                                   "noncausal_t32768", "d256"))
+                                   "noncausal_t32768", "noncausal_d64", "d256"))
 #: Runs with an option set for every library (``bench tpu-static --window`` / ``--soft-cap``):
 #: flashlab against splash where jax's kernel has no such option. Shown in chapter 07 and
 #: the README, never ranked by ``auto`` (:func:`nearest_run` reads the runs above only); the
