@@ -220,7 +220,8 @@ def choose_block_sizes(q_len: int, kv_len: int, head_dim: int, dtype, chip: str 
 
     With ``is_causal`` given (the forward kernel gives it), first the measured table
     (:mod:`flashlab.kernels.tuned_blocks`: the static bench's sweep winner per chip and shape
-    class), if the request falls in a measured class and the pair fits; under a ``window``
+    class; a length no class holds takes the nearest class, :func:`tuned_blocks.lookup`), if
+    the pair fits; under a ``window``
     ``(left, right)``, the stored window run's pairs ranked for the request's band
     (:func:`band_estimate`), the first that fits. Else the heuristic:
     start from large blocks (B_r = 512, B_c = 1024: few grid steps, long DMAs, a full MXU;
@@ -260,10 +261,11 @@ def padding_fit(length: int, block: int, unit: int) -> int:
 
 
 def _candidates(kernel, q_len, kv_len, head_dim, dtype, chip, is_causal, window) -> list:
-    """The measured candidates for a request, best first: its class's entry
-    (:func:`tuned_blocks.lookup`; ``[]`` without one). Under a ``window``, every pair of the
-    stored window run (:func:`tuned_blocks.band_rows`) ranked by :func:`band_estimate` at
-    the request's lengths and window, where that run has rows for the chip. The table is
+    """The measured candidates for a request, best first: its class's entry, or the nearest
+    class's (:func:`tuned_blocks.lookup`; ``[]`` where the chip has none). Under a
+    ``window``, every pair of the stored window run (:func:`tuned_blocks.band_rows`) ranked by
+    :func:`band_estimate` at the request's lengths and window, where that run has rows for the
+    chip. The table is
     measured without a window, and a band favours smaller blocks than a sweep's winner: a
     tile a band edge crosses is computed whole and masked, so the larger the blocks, the
     more of each band row is computed for nothing (under a 4096 window, 2048² blocks compute
@@ -391,8 +393,8 @@ def choose_backward_block_sizes(q_len: int, kv_len: int, head_dim: int, dtype,
 
     With ``is_causal`` given, first the measured table (:mod:`flashlab.kernels.tuned_blocks`,
     ``kernel="backward"``: the pair with the lowest dQ + dK/dV static estimate per chip and
-    shape class) if the request falls in a measured class and the pair fits (under a
-    ``window``, as in :func:`choose_block_sizes`). Else the heuristic: the backward holds
+    shape class, or the nearest class's, :func:`tuned_blocks.lookup`) if the pair fits (under
+    a ``window``, as in :func:`choose_block_sizes`). Else the heuristic: the backward holds
     more ``[B_r, B_c]`` float32 temporaries than the forward and twice its pipelined blocks,
     so it starts smaller: ``B_r = B_c = 512`` (never larger than the padded sequence), then
     halves B_c, then B_r, until :func:`backward_vmem_bytes` fits
