@@ -215,9 +215,9 @@ def test_the_shipped_window_defaults_are_the_window_runs_fastest():
 
 
 def test_a_length_no_sweep_measured_takes_the_nearest_class(tmp_path):
-    """Between and beyond the measured lengths: the class measured nearest (in doublings of
-    each length), the shorter on a tie; a head_dim with a class of its own keeps to it; a
-    causality without a class on the chip takes the other's."""
+    """Between and beyond the measured lengths: the class measured nearest
+    (:func:`tuned_blocks.log_distance`), the shorter on a tie; a head_dim with a class of its
+    own keeps to it; a causality without a class on the chip takes the other's."""
     def rows(T, bq, d=128):
         return [dict(r, seq_len=T, head_dim=d, block_q=bq) for r in _rows()[:1]]
     p = tmp_path / "tpu_blocks.json"
@@ -233,12 +233,12 @@ def test_a_length_no_sweep_measured_takes_the_nearest_class(tmp_path):
     assert look(4096, 4096) == 256                  # 1 doubling from 2048, 3 from 32768
     assert look(8192, 8192) == 256                  # 2 and 2: the tie goes to the shorter
     assert look(16384, 16384) == 1024
-    assert look(512, 131072) == 256                 # 2 + 6 against 6 + 2: the shorter
+    assert look(512, 131072) == 256                 # √(512·131072) = 8192: the tie again
     assert look(65536, 65536, d=64) == 512          # d = 64's own class, however far
     # no non-causal class: the causal ones, by the same rule; one of its own comes first
     assert tuned_blocks.lookup(8192, 8192, 128, jnp.bfloat16, "v5e", is_causal=False,
                                path=p)["block_q"] == 256
-    nc = [dict(r, causal=False, block_q=128) for r in rows(65536, 0)]
+    nc = [dict(r, causal=False) for r in rows(65536, 128)]
     tuned_blocks.write(p, tuned_blocks.entries_from_rows(nc, dtype="bfloat16", command="c",
                                                          commit="k", versions={}))
     assert tuned_blocks.lookup(2048, 2048, 128, jnp.bfloat16, "v5e", is_causal=False,

@@ -81,9 +81,8 @@ def _cached(p: Path) -> dict:
 def nearest_run(q_len: int, kv_len: int, head_dim: int, causal: bool, paths=None):
     """The stored run (:data:`STORED` or one of :data:`STORED_SHAPES`) whose shape class is
     nearest a request's: the same causality first, then the same head_dim class (≤ 64 or
-    128), then the length ``√(q_len·kv_len)`` nearest on a log scale. ``None`` if none is
-    stored."""
-    t = max(math.sqrt(q_len * kv_len), 1.0)
+    128), then the length nearest by :func:`tuned_blocks.log_distance` (the default blocks'
+    rule too). ``None`` if none is stored."""
     best = None
     for p in paths or (STORED, *STORED_SHAPES):
         p = Path(p)
@@ -93,7 +92,7 @@ def nearest_run(q_len: int, kv_len: int, head_dim: int, causal: bool, paths=None
         seq, d, c = a.get("seq_len"), a.get("head_dim"), a.get("causal")
         key = (c is None or bool(c) != bool(causal),
                d is None or (d <= 64) != (head_dim <= 64),
-               abs(math.log2(t / seq)) if seq else math.inf)
+               tuned_blocks.log_distance(q_len, kv_len, seq) if seq else math.inf)
         if best is None or key < best[0]:
             best = (key, p)
     return None if best is None else best[1]

@@ -35,7 +35,7 @@ from pathlib import Path
 from flashlab.kernels.tiling import kernel_head_dim, lane_pad
 
 __all__ = ["TABLE", "BAND_RUN", "KERNELS", "BACKWARD_PARTS", "whole_backward", "table", "lookup",
-           "band_rows",
+           "log_distance", "band_rows",
            "class_of", "entries_from_rows", "stored_rows", "entries_from_stored", "class_key",
            "write"]
 
@@ -88,7 +88,7 @@ def lookup(q_len: int, kv_len: int, head_dim: int, dtype, chip: str, *, is_causa
     """The table entry of ``kernel`` (``"forward"`` or ``"backward"``) for a request: the
     class of the request's own head_dim (:func:`kernel_head_dim`), else, below 128, the
     128-lane class; of those, the class that holds both lengths, else the class measured
-    nearest to them (in ``log2`` of the length; the shorter on a tie), so that a length the
+    nearest to them (:func:`log_distance`; the shorter on a tie), so that a length the
     sweeps skipped takes a measured neighbour's pair, not the heuristic's. Where the chip has
     no class of the request's causality at all for this (kernel, dtype, head_dim), the same
     search among the other causality's classes (where both were swept, d = 64 and 128 at
@@ -103,14 +103,15 @@ def lookup(q_len: int, kv_len: int, head_dim: int, dtype, chip: str, *, is_causa
         return held
     d = entries[0]["head_dim"]              # the nearest class of the first head_dim that has one
     return min((e for e in entries if e["head_dim"] == d),
-               key=lambda e: (_log_distance(q_len, kv_len, e), e["seq_min"]))
+               key=lambda e: (log_distance(q_len, kv_len, e["measured_at"]["seq_len"]),
+                              e["seq_min"]))
 
 
-def _log_distance(q_len: int, kv_len: int, e) -> float:
-    """How far ``q_len x kv_len`` lies from the length class ``e`` was measured at, in
-    doublings (each length's, summed)."""
-    T = e.get("measured_at", {}).get("seq_len") or (e["seq_max"] + 1) // 2
-    return sum(abs(math.log2(max(n, 1) / T)) for n in (q_len, kv_len))
+def log_distance(q_len: int, kv_len: int, seq_len: int) -> float:
+    """How far a ``q_len x kv_len`` request lies from a measurement at ``seq_len``, in
+    doublings of the request's geometric-mean length: the one nearness rule of :func:`lookup`
+    and :func:`flashlab.dispatch.static_table.nearest_run`."""
+    return abs(math.log2(max(math.sqrt(q_len * kv_len), 1.0) / seq_len))
 
 
 def band_rows(head_dim: int, dtype, chip: str, *, kernel: str = "forward",
