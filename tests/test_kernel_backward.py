@@ -699,6 +699,9 @@ def test_backward_lowers_to_mosaic_for_tpu():
 @pytest.mark.parametrize("case", [
     dict(B=1, T=40, S=40, N=2, K=1, H=64, option="causal_window", bq=16, bk=128),
     dict(B=2, T=20, S=140, N=2, K=2, H=64, option="everything", bq=32, bk=128),
+    # every block visible: no init region, a kv row's first step selects over the unwritten
+    # (NaN-filled) accumulators instead of adding to them
+    dict(B=2, T=64, S=256, N=2, K=1, H=64, option="none", bq=32, bk=128),
 ])
 @pytest.mark.parametrize("backward", ["auto", "split"])   # auto: fused (its dQ fits)
 def test_tpu_interpret_mode_no_races_no_uninitialized_reads(case, backward):

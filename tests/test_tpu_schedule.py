@@ -83,6 +83,50 @@ def test_mxu_table_disagreement_fails_loudly(tmp_path):
         ts.analyze(p, u)
 
 
+def test_a_tile_with_no_branch_of_its_own_is_its_stage_region_less_init_and_finalize(
+        tmp_path, fixture):
+    """A dense grid whose every step computes runs its tile with no ``pl.when`` around it
+    (the forward and the dK/dV kernel where every block is visible): the smallest region
+    holding every vmatmul is then the pipeline's stage region, with init and finalize
+    inside it. The fixture with its tile's branch taken out reads so: the same init and
+    finalize, the tile grown by the stage region's own per-step work."""
+    packed, util = _texts()
+    branch = "sbr.rel (%p767_p0) target bundleno = 1891 (0x763), region = 52"   # the tile's
+    assert packed.count(branch) == 1
+    p, u = _write(tmp_path, packed.replace(branch, "snop"), util)
+    s = ts.analyze(p, u)
+    assert s.unpredicated and not fixture.unpredicated
+    assert (s.init_cycles, s.finalize_cycles) == (fixture.init_cycles, fixture.finalize_cycles)
+    assert s.tile_cycles == 2106 - 197 - 401          # the stage region, less init, finalize
+    assert s.loop_cycles == s.tile_cycles + s.init_cycles + s.finalize_cycles + s.step_cycles
+    assert s.tile_cycles + s.step_cycles == fixture.tile_cycles + fixture.step_cycles
+    assert s.mxu_busy_cycles == fixture.mxu_busy_cycles and len(s.tile_util) == s.tile_cycles
+
+
+@needs_libtpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_live_compile_reads_an_unbranched_tile_where_every_block_is_visible(causal):
+    """Non-causal, no lengths: the forward and the fused backward compute at every step, with
+    no branch around the tile; causal keeps one (it skips or masks blocks). Either reads to
+    the same identity, loop = tile + step + init + finalize (+ the causal diagonal's cases)."""
+    from flashlab.benchmarks import tpu_static as bts
+    d = tpu_dump.schedules("flashlab.benchmarks.tpu_static_builders:build", "v5e",
+                           library="flashlab", backward=True, dtype="bfloat16", causal=causal,
+                           block=512, batch=1, seq_len=1024, heads=2, head_dim=128)
+    assert d.info["blocks"]["fused"] and set(d.kernels) == {"forward", "dkdv"}   # fused
+    for role in ("forward", "dkdv"):
+        s = d.kernels[role].schedule
+        assert s.unpredicated is not causal, role
+        assert s.loop_cycles == (s.tile_cycles + s.step_cycles + s.init_cycles
+                                 + s.finalize_cycles + sum(s.case_cycles)), role
+        assert s.finalize_cycles > 0 and s.step_cycles > 0 and s.mxu_cycles < s.tile_cycles
+    # the fused backward's only init is its dQ zeroing: dK, dV are written at a kv row's
+    # first step (non-causal) or first crossed tile (causal, diagonal.writes_first)
+    fused = d.kernels["dkdv"].schedule
+    assert bts.resident_zeroing(fused, seq_len=1024, block_q=512, head_dim=128) == (
+        fused.init_cycles) > 0
+
+
 @pytest.mark.parametrize("edit, match", [
     (lambda p, u: (p, u.replace("== UTILIZATION", "== USAGE")), "UTILIZATION"),
     (lambda p, u: (p, "\n".join(u.splitlines()[:-5])), "no longer align"),

@@ -11,7 +11,9 @@ compiler's per-bundle busy count of each unit, aligned bundle for bundle), into:
   ``sbr.rel`` that returns to it); one trip is one grid step;
 - the **tile**: the predicated region (``sbr.rel`` forward over it, a ``pl.when``) that holds
   every MXU instruction of the loop: the compute of one (B_r, B_c) tile (or, where that
-  region holds several paths, the whole tile's path: :mod:`flashlab.instruments.tpu_paths`);
+  region holds several paths, the whole tile's path: :mod:`flashlab.instruments.tpu_paths`;
+  with no branch of its own, that region less init and finalize:
+  :attr:`TileSchedule.unpredicated`);
 - **init** and **finalize**: the MXU-free, DMA-free regions beside the tile (the
   ``pl.when(j == 0)`` and ``pl.when(j == last)`` of the online softmax), run once per row;
 - **per-step cycles**: the rest of the loop body, paid by every grid step, skipped or not
@@ -127,6 +129,10 @@ class TileSchedule:
     # strips, :mod:`flashlab.kernels.diagonal`): the cycles of each case's straight-line
     # region, in program order (the order of :func:`diagonal.cases`); empty without them.
     case_cycles: list = dataclasses.field(default_factory=list)
+    # No branch of the tile's own (a dense grid whose every step computes: the dK/dV kernel
+    # where every block is visible): the tile is the pipeline's stage region less init and
+    # finalize, the per-step work inside that region included; step_cycles the rest
+    unpredicated: bool = False
     tile_util: list = dataclasses.field(default_factory=list, repr=False)  # table rows of the tile
 
     @property
@@ -328,12 +334,22 @@ def analyze(packed_path, util_path=None, kernel: str | None = None) -> TileSched
         raise ScheduleFormatError(f"{packed_path}: no predicated region holds every vmatmul "
                                   f"of the loop; cannot tell the tile apart")
     tile = anchor = min(holding, key=lambda r: r.cycles)   # init/finalize: beside the anchor
-    partial, cases = tpu_paths.partial_path(tile, inner, mm), []
+
+    def dma_free(r, units=("DMA", "MXU")):
+        return not any(unit_of(o) in units
+                       for b in bundles[r.branch + 1: r.target] for o in b.opcodes)
+
+    partial, cases, own = tpu_paths.partial_path(tile, inner, mm), [], []
     if partial is not None:           # two tile paths: the full one is the tile (and anchor)
         tile, partial, chunks = partial
         anchor = tile
     elif (found := tpu_paths.case_paths(tile, inner, mm, streamed)) is not None:
         tile, cases = found           # the whole tile, and the diagonal's cases, in the anchor
+    else:   # no branch of the tile's own (unpredicated): init, finalize inside the pipeline's
+        # stage region, before the first vmatmul and after the last (finalize: maybe a vpop)
+        inside = [r for r in inner if anchor.contains(r)]
+        own = [r for r in inside if not any(p.contains(r) for p in inside)
+               and dma_free(r, ("DMA",)) and (r.target <= mm[0] or r.branch >= mm[-1])]
     parents = [r for r in inner if r.contains(anchor)]
     parent = min(parents, key=lambda r: r.cycles) if parents else None
 
@@ -343,38 +359,37 @@ def analyze(packed_path, util_path=None, kernel: str | None = None) -> TileSched
         ps = [p for p in inner if p.contains(r)]
         return (min(ps, key=lambda p: p.cycles) if ps else None) == parent
 
-    def dma_free(r):
-        return not any(unit_of(o) in ("DMA", "MXU")
-                       for b in bundles[r.branch + 1: r.target] for o in b.opcodes)
-
-    sib = [r for r in inner if is_sibling(r) and dma_free(r)]
+    before, after = (mm[0], mm[-1]) if own else (anchor.branch, anchor.target)
+    sib = own or [r for r in inner if is_sibling(r) and dma_free(r)]
     nested = [r for r in back if tile.branch < r.target and r.branch < tile.target]
     if nested:
         raise ScheduleFormatError(f"{packed_path}: the tile region {tile} holds an inner loop "
                                   f"{nested}: its trip count is not in the dump, so static "
                                   f"bundles would undercount the tile")
-    init = sum(r.cycles for r in sib if r.target <= anchor.branch)
-    fin = sum(r.cycles for r in sib if r.branch >= anchor.target)
+    init = sum(r.cycles for r in sib if r.target <= before)
+    fin = sum(r.cycles for r in sib if r.branch >= after)
     loop_cycles = end - start + 1
     partial_cycles = partial.cycles if partial is not None else 0
     chunk_cycles = sum(r.cycles for r in chunks) / len(chunks) if partial is not None else 0.0
     cols = list(caps)
-    in_tile = range(tile.branch + 1, tile.target)
+    in_tile = [i for i in range(tile.branch + 1, tile.target)      # less init, finalize
+               if not any(r.branch < i < r.target for r in own)]
     ops = [o for i in in_tile for o in bundles[i].opcodes]
     mix = collections.Counter(unit_of(o) for o in ops)
     dtypes = collections.Counter(m.group(2) for o in ops if (m := _MATMUL.match(o)))
     return TileSchedule(
         kernel=kernel or packed_path.name, path=str(packed_path), total_cycles=len(bundles),
-        loop_cycles=loop_cycles, tile_cycles=tile.cycles, init_cycles=init,
-        finalize_cycles=fin, step_cycles=(loop_cycles - tile.cycles - partial_cycles - init - fin
-                                          - sum(r.cycles for r in cases)),
+        loop_cycles=loop_cycles, tile_cycles=len(in_tile), init_cycles=init,
+        finalize_cycles=fin, unpredicated=bool(own),
+        step_cycles=(loop_cycles - len(in_tile) - partial_cycles - init - fin
+                     - sum(r.cycles for r in cases)),
         case_cycles=[r.cycles for r in cases],
         partial_overhead_cycles=(partial_cycles - sum(r.cycles for r in chunks)
                                  if partial is not None else 0),
         chunk_cycles=chunk_cycles,
         init_regions=[(r.cycles, sum(unit_of(o) == "store" for b in bundles[r.branch + 1:r.target]
                                      for o in b.opcodes))
-                      for r in sib if r.target <= tile.branch],
+                      for r in sib if r.target <= before],
         outside_loop_cycles=len(bundles) - loop_cycles, num_mxu=caps["MXU"],
         mxu_busy_cycles=sum(busy[i] for i in in_tile),
         unit_busy={c: sum(rows[i][k] for i in in_tile) for k, c in enumerate(cols)},
