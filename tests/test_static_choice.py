@@ -223,3 +223,42 @@ def test_each_stored_option_run_is_one_run_of_the_bench():
         for lib in ("flashlab", "splash"):
             ok = {r["chip"] for r in doc["rows"] if r["library"] == lib and "error" not in r}
             assert ok == {"v4", "v5e", "v5p", "v6e", "7x"}, (p, lib)
+
+
+def test_the_non_causal_runs_read_jaxs_unbranched_tile_as_its_own():
+    """jax's kernel computes its non-causal tile with no branch of its own; the reader before
+    a14da70 took the stage region around it, init and finalize inside, for its tile and so
+    charged both at every grid step. The stored BEFORE rows (``noncausal_branch_before``)
+    and the runs since differ by exactly that: the same kernel, read with init and finalize
+    apart. flashlab's forward and fused rows there are a kernel change: faster at 512², each
+    at its own blocks (the same pairs at one q block a row, where init and finalize are
+    folded into the tile by the compiler, and at 2048² a step is the whole row)."""
+    before = tpu_static_report.stored_before("noncausal_branch_before")
+    after = {}
+    for p in static_table.STORED_SHAPES:
+        for r in static_table.stored(p)["rows"]:
+            if not r["causal"]:
+                after[(tpu_static_report.shape_of(r), r["chip"], r["library"], r["kernel"],
+                       r.get("block_q"), r.get("block_k"))] = r     # one compile per pair
+    jax_rows = flashlab_rows = 0
+    for b in before["rows"]:
+        a = after.get((tpu_static_report.shape_of(b), b["chip"], b["library"], b["kernel"],
+                       b.get("block_q"), b.get("block_k")))
+        if a is None:       # a default pair the runs since no longer take
+            assert b["blocks"] == "default", b
+            continue
+        if "error" in b or "error" in a:
+            assert ("error" in b) == ("error" in a), b
+            continue
+        if b["library"] == "jax_pallas_flash":
+            jax_rows += 1
+            assert b["tile_cycles"] == (a["tile_cycles"] + a["init_cycles"]
+                                        + a["finalize_cycles"]), b
+            assert b["step_cycles"] == a["step_cycles"]
+            assert a["est_cycles"] <= b["est_cycles"]
+        else:
+            flashlab_rows += 1
+            assert a["est_cycles"] <= b["est_cycles"], b
+            if b["blocks"] == "equal":
+                assert a["est_cycles"] < b["est_cycles"], b
+    assert jax_rows > 300 and flashlab_rows > 300

@@ -28,7 +28,9 @@ def stored_before(name: str) -> dict:
     building a mask and the default blocks under a window were priced from it),
     ``"window_grid_before"`` (that run's fused-backward rows, on the transposed visit list,
     before the dK/dV kernel walked the band by arithmetic: :func:`flashlab.kernels.band.
-    grid_applies`). Chapters 05 and 07 set these against a run with
+    grid_applies`), ``"noncausal_branch_before"`` (the forward and fused backward of the four
+    non-causal runs, each tile still behind an always-true branch and the fused kernel still
+    zeroing dK, dV per kv row). Chapters 05 and 07 set these against a run with
     :func:`tpu_static_report.before_after_table`."""
     return json.loads((DATA / f"{name}.json").read_text())
 

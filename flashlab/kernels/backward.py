@@ -48,7 +48,8 @@ and ``T_c − 1 − p`` share grid row ``p``, so its grid holds the visible tile
 than adding to zeroed accumulators (:func:`diagonal.writes_first`).
 Under a window the dK/dV kernel walks the band by arithmetic instead, ``(b, hk, j, g, t)``
 (:func:`band.grid_applies`). Where every block is visible (:func:`blocks.every_block_visible`)
-the dense grids clamp and test nothing.
+the dense grids clamp and test nothing: the dK/dV tile runs at every step with no branch
+around it, and a kv row's first step writes its accumulators (no zeroing first).
 Otherwise, on the dense grids, skipped steps run with neither compute nor DMA: the dQ kernel
 clamps ``j`` into :func:`blocks.kv_block_range`, the dK/dV kernel clamps ``i`` into
 :func:`blocks.q_block_range`; each kernel's ``pl.when`` tests the same range, so the index
