@@ -129,9 +129,9 @@ class TileSchedule:
     # strips, :mod:`flashlab.kernels.diagonal`): the cycles of each case's straight-line
     # region, in program order (the order of :func:`diagonal.cases`); empty without them.
     case_cycles: list = dataclasses.field(default_factory=list)
-    # No branch of the tile's own (a dense grid whose every step computes: the dK/dV kernel
-    # where every block is visible): the tile is the pipeline's stage region less init and
-    # finalize, the per-step work inside that region included; step_cycles the rest
+    # No branch of the tile's own (a dense grid whose every step computes: flashlab's kernels
+    # where every block is visible, jax's non-causal one): the tile is the pipeline's stage
+    # region less init and finalize, the step's work inside that region included
     unpredicated: bool = False
     tile_util: list = dataclasses.field(default_factory=list, repr=False)  # table rows of the tile
 
