@@ -1,10 +1,10 @@
 """``python -m flashlab bench tpu-blocks``: the default-blocks table from the stored static runs.
 
 ``bench tpu-static --blocks-table`` ranks only the rows of the run it just made. The stored
-runs (``flashlab/data/tpu_static.json`` at the main shape, ``tpu_static_{t2048, t32768, d64,
-noncausal_t2048, noncausal, noncausal_t32768, noncausal_d64, d256}.json`` at the others, one
-run each) hold every block pair the sweep measured; this command ranks all of flashlab's rows
-there, per (kernel, chip, shape class), and writes the winners to the table
+runs (:data:`flashlab.dispatch.static_table.STORED` at the main shape,
+:data:`~flashlab.dispatch.static_table.STORED_SHAPES` at the others, one run each) hold every
+block pair the sweep measured; this command ranks all of flashlab's rows there, per (kernel,
+chip, shape class), and writes the winners to the table
 :func:`flashlab.kernels.blocks.choose_block_sizes` reads (:mod:`flashlab.kernels.tuned_blocks`).
 It compiles nothing and needs no libtpu.
 Static estimates: no DMA stalls, no HBM bandwidth.

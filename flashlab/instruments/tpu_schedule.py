@@ -335,7 +335,7 @@ def analyze(packed_path, util_path=None, kernel: str | None = None) -> TileSched
                                   f"of the loop; cannot tell the tile apart")
     tile = anchor = min(holding, key=lambda r: r.cycles)   # init/finalize: beside the anchor
 
-    def dma_free(r, units=("DMA", "MXU")):
+    def free_of(r, units=("DMA", "MXU")):                  # region r issues none of units
         return not any(unit_of(o) in units
                        for b in bundles[r.branch + 1: r.target] for o in b.opcodes)
 
@@ -349,7 +349,7 @@ def analyze(packed_path, util_path=None, kernel: str | None = None) -> TileSched
         # stage region, before the first vmatmul and after the last (finalize: maybe a vpop)
         inside = [r for r in inner if anchor.contains(r)]
         own = [r for r in inside if not any(p.contains(r) for p in inside)
-               and dma_free(r, ("DMA",)) and (r.target <= mm[0] or r.branch >= mm[-1])]
+               and free_of(r, ("DMA",)) and (r.target <= mm[0] or r.branch >= mm[-1])]
     parents = [r for r in inner if r.contains(anchor)]
     parent = min(parents, key=lambda r: r.cycles) if parents else None
 
@@ -360,7 +360,7 @@ def analyze(packed_path, util_path=None, kernel: str | None = None) -> TileSched
         return (min(ps, key=lambda p: p.cycles) if ps else None) == parent
 
     before, after = (mm[0], mm[-1]) if own else (anchor.branch, anchor.target)
-    sib = own or [r for r in inner if is_sibling(r) and dma_free(r)]
+    sib = own or [r for r in inner if is_sibling(r) and free_of(r)]
     nested = [r for r in back if tile.branch < r.target and r.branch < tile.target]
     if nested:
         raise ScheduleFormatError(f"{packed_path}: the tile region {tile} holds an inner loop "
