@@ -5,6 +5,7 @@ import jax.numpy as jnp
 
 from flashlab.benchmarks import tpu_static_report
 from flashlab.dispatch import registry, static_table
+from flashlab.kernels.forward import INIT_REGION
 from flashlab.contract.masks import validate
 
 
@@ -239,6 +240,11 @@ def test_the_non_causal_runs_read_jaxs_unbranched_tile_as_its_own():
             if not r["causal"]:
                 after[(tpu_static_report.shape_of(r), r["chip"], r["library"], r["kernel"],
                        r.get("block_q"), r.get("block_k"))] = r     # one compile per pair
+    # our forward has changed since (a row's opening state: the next test); its rows right
+    # after this change are stored
+    for r in tpu_static_report.stored_before("forward_init_before")["rows"]:
+        after[(tpu_static_report.shape_of(r), r["chip"], r["library"], r["kernel"],
+               r.get("block_q"), r.get("block_k"))] = r
     jax_rows = flashlab_rows = 0
     for b in before["rows"]:
         a = after.get((tpu_static_report.shape_of(b), b["chip"], b["library"], b["kernel"],
@@ -261,3 +267,41 @@ def test_the_non_causal_runs_read_jaxs_unbranched_tile_as_its_own():
             if b["blocks"] == "equal":
                 assert a["est_cycles"] < b["est_cycles"], b
     assert jax_rows > 300 and flashlab_rows > 300
+
+
+def test_the_forward_opens_a_row_with_a_select_where_every_block_is_visible():
+    """Where every block is visible a q row's first step takes its state (-inf, 0, 0) through
+    a select instead of an init region storing it (55bc3d9), on every chip but v4
+    (``forward.INIT_REGION``). Against the stored BEFORE rows (``forward_init_before``: the
+    forward rows of the four non-causal runs at a14da70): v4 compiles to the same cycles, every
+    other chip has no init left, and its forward is faster at 512² and no slower at its default
+    blocks (at T = 2048 a 2048² row is one step, and compiles to the same cycles)."""
+    before = tpu_static_report.stored_before("forward_init_before")
+    after = {}
+    for p in static_table.STORED_SHAPES:
+        for r in static_table.stored(p)["rows"]:
+            if not r["causal"] and (r["library"], r["kernel"]) == ("flashlab", "forward"):
+                after[(tpu_static_report.shape_of(r), r["chip"], r["blocks"],
+                       r.get("block_q"), r.get("block_k"))] = r
+    cycles = ("tile_cycles", "step_cycles", "init_cycles", "finalize_cycles", "est_cycles")
+    seen = 0
+    for b in before["rows"]:
+        a = after.get((tpu_static_report.shape_of(b), b["chip"], b["blocks"],
+                       b.get("block_q"), b.get("block_k")))
+        if a is None:       # a default pair the runs since no longer take
+            assert b["blocks"] == "default", b
+            continue
+        if "error" in b or "error" in a:
+            assert ("error" in b) == ("error" in a), b
+            continue
+        seen += 1
+        if b["chip"] in INIT_REGION:
+            assert [a[c] for c in cycles] == [b[c] for c in cycles], b
+            continue
+        assert a["init_cycles"] == 0, a
+        if b["blocks"] == "equal":
+            assert a["est_cycles"] < b["est_cycles"], b
+        elif b["blocks"] == "default":  # 2048² at T = 2048: one step a row, the same cycles
+            assert a["est_cycles"] <= b["est_cycles"], b
+    assert seen > 150
+

@@ -30,7 +30,9 @@ def stored_before(name: str) -> dict:
     before the dK/dV kernel walked the band by arithmetic: :func:`flashlab.kernels.band.
     grid_applies`), ``"noncausal_branch_before"`` (the forward and fused backward of the four
     non-causal runs, each tile still behind an always-true branch and the fused kernel still
-    zeroing dK, dV per kv row). Chapters 05 and 07 set these against a run with
+    zeroing dK, dV per kv row), ``"forward_init_before"`` (the forward of those four runs with
+    an init region storing each q row's opening state, before its first step took that state
+    through a select). Chapters 05 and 07 set these against a run with
     :func:`tpu_static_report.before_after_table`."""
     return json.loads((DATA / f"{name}.json").read_text())
 
