@@ -226,35 +226,43 @@ def test_each_stored_option_run_is_one_run_of_the_bench():
             assert ok == {"v4", "v5e", "v5p", "v6e", "7x"}, (p, lib)
 
 
+def _noncausal_rows() -> list:
+    """Every row of the stored non-causal runs (:data:`static_table.STORED_SHAPES`)."""
+    return [r for p in static_table.STORED_SHAPES for r in static_table.stored(p)["rows"]
+            if not r["causal"]]
+
+
+def _matched(before_rows, after_rows):
+    """``(before, after)`` row pairs of one compile (shape, chip, library, kernel, block pair;
+    a later after row replaces an earlier one), pairs with an error on both sides left out. A
+    BEFORE row that no row after matches must be a default pair the runs since no longer take."""
+    def key(r):
+        return (tpu_static_report.shape_of(r), r["chip"], r["library"], r["kernel"],
+                r.get("block_q"), r.get("block_k"))
+    after = {key(r): r for r in after_rows}
+    for b in before_rows:
+        a = after.get(key(b))
+        if a is None:
+            assert b["blocks"] == "default", b
+        elif "error" in b or "error" in a:
+            assert ("error" in b) == ("error" in a), b
+        else:
+            yield b, a
+
+
 def test_the_non_causal_runs_read_jaxs_unbranched_tile_as_its_own():
     """jax's kernel computes its non-causal tile with no branch of its own; the reader before
     a14da70 took the stage region around it, init and finalize inside, for its tile and so
     charged both at every grid step. The stored BEFORE rows (``noncausal_branch_before``)
     and the runs since differ by exactly that: the same kernel, read with init and finalize
     apart. flashlab's forward and fused rows there are a kernel change (no branch around
-    the tile, no per-row zeroing in the fused one): no slower at any pair, faster at 512²."""
-    before = tpu_static_report.stored_before("noncausal_branch_before")
-    after = {}
-    for p in static_table.STORED_SHAPES:
-        for r in static_table.stored(p)["rows"]:
-            if not r["causal"]:
-                after[(tpu_static_report.shape_of(r), r["chip"], r["library"], r["kernel"],
-                       r.get("block_q"), r.get("block_k"))] = r     # one compile per pair
-    # our forward has changed since (a row's opening state: the next test); its rows right
-    # after this change are stored
-    for r in tpu_static_report.stored_before("forward_init_before")["rows"]:
-        after[(tpu_static_report.shape_of(r), r["chip"], r["library"], r["kernel"],
-               r.get("block_q"), r.get("block_k"))] = r
+    the tile, no per-row zeroing in the fused one): no slower at any pair, faster at 512².
+    Our forward has changed since (the next test): its rows right after this change are the
+    stored ``forward_init_before``."""
+    before = tpu_static_report.stored_before("noncausal_branch_before")["rows"]
+    after = _noncausal_rows() + tpu_static_report.stored_before("forward_init_before")["rows"]
     jax_rows = flashlab_rows = 0
-    for b in before["rows"]:
-        a = after.get((tpu_static_report.shape_of(b), b["chip"], b["library"], b["kernel"],
-                       b.get("block_q"), b.get("block_k")))
-        if a is None:       # a default pair the runs since no longer take
-            assert b["blocks"] == "default", b
-            continue
-        if "error" in b or "error" in a:
-            assert ("error" in b) == ("error" in a), b
-            continue
+    for b, a in _matched(before, after):
         if b["library"] == "jax_pallas_flash":
             jax_rows += 1
             assert b["tile_cycles"] == (a["tile_cycles"] + a["init_cycles"]
@@ -276,24 +284,10 @@ def test_the_forward_opens_a_row_with_a_select_where_every_block_is_visible():
     forward rows of the four non-causal runs at a14da70): v4 compiles to the same cycles, every
     other chip has no init left, and its forward is faster at 512² and no slower at its default
     blocks (at T = 2048 a 2048² row is one step, and compiles to the same cycles)."""
-    before = tpu_static_report.stored_before("forward_init_before")
-    after = {}
-    for p in static_table.STORED_SHAPES:
-        for r in static_table.stored(p)["rows"]:
-            if not r["causal"] and (r["library"], r["kernel"]) == ("flashlab", "forward"):
-                after[(tpu_static_report.shape_of(r), r["chip"], r["blocks"],
-                       r.get("block_q"), r.get("block_k"))] = r
+    before = tpu_static_report.stored_before("forward_init_before")["rows"]
     cycles = ("tile_cycles", "step_cycles", "init_cycles", "finalize_cycles", "est_cycles")
     seen = 0
-    for b in before["rows"]:
-        a = after.get((tpu_static_report.shape_of(b), b["chip"], b["blocks"],
-                       b.get("block_q"), b.get("block_k")))
-        if a is None:       # a default pair the runs since no longer take
-            assert b["blocks"] == "default", b
-            continue
-        if "error" in b or "error" in a:
-            assert ("error" in b) == ("error" in a), b
-            continue
+    for b, a in _matched(before, _noncausal_rows()):
         seen += 1
         if b["chip"] in INIT_REGION:
             assert [a[c] for c in cycles] == [b[c] for c in cycles], b
@@ -304,4 +298,3 @@ def test_the_forward_opens_a_row_with_a_select_where_every_block_is_visible():
         elif b["blocks"] == "default":  # 2048² at T = 2048: one step a row, the same cycles
             assert a["est_cycles"] <= b["est_cycles"], b
     assert seen > 150
-

@@ -217,7 +217,7 @@ def _forward_kernel(*refs, cfg: ForwardConfig, names: RefNames):
         # m and l stay lane-replicated [rows, 128] and are updated elementwise: the tile's
         # row max and row sum are the only cross-lane reductions of a step.
         state = online_softmax.State(m_ref[r, :], l_ref[r, :], acc_ref[r, :])
-        if fresh and p.k_lo == 0:      # a row's first keys: the unwritten state is (-inf, 0, 0)
+        if fresh and p.k_lo == 0:     # a row's first keys open it at (-inf, 0, 0), not the scratch
             state = online_softmax.State(*(jnp.where(first, v, x) for v, x in zip(
                 (online_softmax.NEG_INF, 0.0, 0.0), state)))
         m, l, acc = online_softmax.update(state, s, view["v"][...], visible=visible,
