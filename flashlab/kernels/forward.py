@@ -169,17 +169,16 @@ def _forward_kernel(*refs, cfg: ForwardConfig, names: RefNames):
         i, j = pl.program_id(2), pl.program_id(3)
         first, last = j == 0, j == cfg.num_kv_blocks - 1
 
-    # Where every block is visible (the dense grid computes at every step) a row's first step
-    # takes its state through a select instead of an init region storing it (v5e, T=8192,
-    # 512²: 7.70 -> 7.57 ms; init 197 -> 0 cycles a q row), except on INIT_REGION's chips
-    fresh = (not cfg.visit_grid and blk.every_block_visible(cfg)
-             and blk.resolve_chip(cfg.chip) not in INIT_REGION)
+    dense = not cfg.visit_grid and blk.every_block_visible(cfg)  # every grid step computes
+    # There a row's first step takes its state (online_softmax.EMPTY) through a select instead
+    # of an init region storing it (v5e, T=8192, 512²: 7.70 -> 7.57 ms; init 197 -> 0 cycles
+    # a q row), except on INIT_REGION's chips
+    fresh = dense and blk.resolve_chip(cfg.chip) not in INIT_REGION
     if not fresh:
         @pl.when(first)
         def _init():                                              # m = -inf, l = 0, acc = 0
-            m_ref[...] = jnp.full(m_ref.shape, online_softmax.NEG_INF, jnp.float32)
-            l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
-            acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+            for ref, empty in zip((m_ref, l_ref, acc_ref), online_softmax.EMPTY):
+                ref[...] = jnp.full(ref.shape, empty, jnp.float32)
 
     # Global positions (= local ones without offsets): the one mask definition sees those.
     q_start, k_start, q_len, kv_len = global_starts(offsets_ref, i * bq, j * bk, q_len, kv_len)
@@ -189,7 +188,7 @@ def _forward_kernel(*refs, cfg: ForwardConfig, names: RefNames):
             run = jnp.logical_and(run, k_start < kv_len)
         if cfg.mask_q_len:
             run = jnp.logical_and(run, q_start < q_len)
-    elif blk.every_block_visible(cfg):
+    elif dense:
         # every step computes: no branch around the tile, which the scheduler then overlaps
         # with the step's own work (v5e d=64 512²: tile + step 1413 -> 1392 cycles);
         # tpu_schedule.analyze reads such a tile as unpredicated
@@ -217,9 +216,9 @@ def _forward_kernel(*refs, cfg: ForwardConfig, names: RefNames):
         # m and l stay lane-replicated [rows, 128] and are updated elementwise: the tile's
         # row max and row sum are the only cross-lane reductions of a step.
         state = online_softmax.State(m_ref[r, :], l_ref[r, :], acc_ref[r, :])
-        if fresh and p.k_lo == 0:     # a row's first keys open it at (-inf, 0, 0), not the scratch
-            state = online_softmax.State(*(jnp.where(first, v, x) for v, x in zip(
-                (online_softmax.NEG_INF, 0.0, 0.0), state)))
+        if fresh and p.k_lo == 0:     # a row's first keys open it at EMPTY, not the scratch
+            state = online_softmax.State(*(jnp.where(first, e, x)
+                                           for e, x in zip(online_softmax.EMPTY, state)))
         m, l, acc = online_softmax.update(state, s, view["v"][...], visible=visible,
                                           lanes=True, base2=cfg.log2_scores)
         m_ref[r, :] = m

@@ -30,8 +30,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-__all__ = ["State", "init", "update", "merge", "finalize", "from_output", "NEG_INF", "LN2", "LOG2E",
-           "sink_state", "sink_grad", "widen"]
+__all__ = ["State", "EMPTY", "init", "update", "merge", "finalize", "from_output", "NEG_INF",
+           "LN2", "LOG2E", "sink_state", "sink_grad", "widen"]
 
 NEG_INF = float("-inf")
 
@@ -42,13 +42,19 @@ class State(NamedTuple):
     acc: jax.Array  # [..., Br, d]   float32 running unnormalised output
 
 
+# A row that has seen nothing, as scalars: m = -inf, l = 0, acc = 0. init broadcasts it; a
+# kernel stores it at a row's first step, or selects it there (kernels/forward.py).
+EMPTY = State(NEG_INF, 0.0, 0.0)
+
+
 def init(shape, head_dim: int, dtype=jnp.float32) -> State:
-    """Empty state for rows of ``shape`` (``[..., Br]``) and value width ``head_dim``.
+    """Empty state (:data:`EMPTY`) for rows of ``shape`` (``[..., Br]``) and value width
+    ``head_dim``.
 
     ``dtype`` is the accumulation dtype: float32, or float64 for float64 inputs.
     """
-    return State(jnp.full(shape, NEG_INF, dtype), jnp.zeros(shape, dtype),
-                 jnp.zeros((*shape, head_dim), dtype))
+    return State(*(jnp.full(s, e, dtype)
+                   for s, e in zip((shape, shape, (*shape, head_dim)), EMPTY)))
 
 
 def _safe(m):
