@@ -57,6 +57,21 @@ def test_choose_block_sizes_obeys_tiling_and_budget(chip, dtype, q_len, kv_len, 
     blk.check_block_sizes(bq, bk, head_dim=d, dtype=dtype, chip=chip)   # does not raise
 
 
+@pytest.mark.parametrize("chip", ["v4", "v5e", "v5p", "v6e", "7x"])
+def test_the_forward_asks_for_its_need_between_the_default_and_the_ceiling(chip):
+    """forward_grid.scoped_vmem_bytes: need + 1/4 in whole MiB, at least Mosaic's 16 MiB default
+    (or the whole VMEM of a smaller chip), at most the chip's ceiling; None: the ceiling."""
+    from flashlab.kernels.forward_grid import scoped_vmem_bytes
+    ceiling, default = blk.vmem_limit_bytes(chip), 16 << 20
+    assert scoped_vmem_bytes(None, chip) == ceiling
+    assert scoped_vmem_bytes(1, chip) == min(default, ceiling)
+    assert scoped_vmem_bytes(20 << 20, chip) == min(ceiling, 25 << 20)
+    assert scoped_vmem_bytes((20 << 20) + 1, chip) == min(ceiling, 26 << 20)
+    assert scoped_vmem_bytes(1 << 40, chip) == ceiling
+    need = vmem_bytes(512, 512, 128, jnp.bfloat16)       # v5e's 512² forward: 16 of its 96 MiB
+    assert need < 8 << 20 and scoped_vmem_bytes(need, "v5e") == default
+
+
 def test_long_sequences_get_blocks_larger_than_128():
     bq, bk = choose_block_sizes(8192, 8192, 128, jnp.bfloat16, "v5e")
     assert bq >= 256 and bk >= 512

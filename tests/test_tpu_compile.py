@@ -18,6 +18,7 @@ import flashlab
 from flashlab.contract import device
 from flashlab.instruments import tpu_compile
 from flashlab.kernels import blocks as blk
+from flashlab.kernels.forward_grid import scoped_vmem_bytes
 from flashlab.compat.pallas import pl
 
 HAVE = tpu_compile.available()
@@ -61,10 +62,19 @@ def test_kernels_take_blocks_and_vmem_limit_from_the_compile_target(chip):
     bwd_q, bwd_k = blk.choose_backward_block_sizes(4096, 4096, 256, jnp.float32, chip)
     assert kernels[0]["grid"] == (1, 2, 4096 // fwd_q, 4096 // fwd_k)
     assert kernels[2]["grid"] == (1, 2, 4096 // bwd_q, 4096 // bwd_k)
-    assert {k["vmem_limit_bytes"] for k in kernels} == {blk.vmem_limit_bytes(chip)}
+    # the forward asks for what its blocks need, with a quarter of headroom in whole MiB, between
+    # Mosaic's 16 MiB default and the chip's ceiling (forward_grid.scoped_vmem_bytes); the
+    # backward kernels ask for the ceiling (backward_grid.BackwardGridSpec.vmem_need)
+    need = blk.vmem_bytes(fwd_q, fwd_k, 256, jnp.float32, return_lse=True)
+    assert [k["vmem_limit_bytes"] for k in kernels] == [
+        scoped_vmem_bytes(need, chip), blk.vmem_limit_bytes(chip), blk.vmem_limit_bytes(chip)]
+    assert all(blk.DEFAULT_SCOPED_VMEM_BYTES <= k["vmem_limit_bytes"] <= blk.vmem_limit_bytes(chip)
+               for k in kernels)
+    assert scoped_vmem_bytes(need, chip) == min(
+        blk.vmem_limit_bytes(chip), max(16 << 20, -(-need * 5 // 4 // 2**20) * 2**20))
     # index maps that provably stay in range (tests/test_kernel_visit.py): no DMA checks
     assert not any(k["bounds_checks"] for k in kernels)
-    # twice the planning budget, at most 3/4 of VMEM, never below Mosaic's 16 MiB default
+    # the ceiling: twice the planning budget, at most 3/4 of VMEM, never below Mosaic's 16 MiB
     assert blk.vmem_limit_bytes(chip) == max(
         min(blk.VMEM_BYTES[chip] * 3 // 4, 2 * blk.vmem_budget_bytes(chip)),
         min(blk.VMEM_BYTES[chip], blk.DEFAULT_SCOPED_VMEM_BYTES))
@@ -72,7 +82,9 @@ def test_kernels_take_blocks_and_vmem_limit_from_the_compile_target(chip):
 
 def test_the_chips_differ_where_vmem_differs():
     v4, v5p = (tpu_compile.pallas_calls(_grad, Q, Q, Q, chip=c) for c in ("v4", "v5p"))
-    assert v4[0]["vmem_limit_bytes"] == 16 << 20 and v5p[0]["vmem_limit_bytes"] == 48 << 20
+    # v4's 16 MiB is its whole VMEM (the ceiling); v5p's fused backward asks for its 48 MiB
+    assert {k["vmem_limit_bytes"] for k in v4} == {16 << 20}
+    assert v5p[1]["vmem_limit_bytes"] == 48 << 20
     # 1024x1024 backward blocks at d=256 float32 fit v5p's 48 MiB, not v4's 16 MiB: v4 falls
     # back to its own choice
     from flashlab.contract.masks import validate

@@ -120,13 +120,13 @@ def vmem_budget_bytes(chip: str | None = None) -> int:
 
 
 def vmem_limit_bytes(chip: str | None = None) -> int:
-    """The scoped-VMEM limit a compiled kernel asks Mosaic for (``vmem_limit_bytes``).
+    """The most scoped VMEM a kernel asks Mosaic for (``vmem_limit_bytes``; the forward asks
+    for its need, up to this: :func:`flashlab.kernels.forward_grid.scoped_vmem_bytes`).
 
     Mosaic's *default scoped limit* is the VMEM a kernel may use unless it asks for more: at
     least 16 MiB (:data:`DEFAULT_SCOPED_VMEM_BYTES`), on the 16 MiB chips (v2-v4) the whole
-    VMEM. flashlab asks for twice its planning budget, capped at 3/4 of the physical VMEM, and
-    never less than that default (asking less would hold a kernel below what every kernel that
-    asks nothing, splash included, gets): 16 MiB on v4, 96 MiB on v5e/v6e, 48 MiB on v5p/7x.
+    VMEM. This ceiling is twice the planning budget, capped at 3/4 of the physical VMEM, never
+    less than that default: 16 MiB on v4, 96 MiB on v5e/v6e, 48 MiB on v5p/7x.
     XLA still checks the program against the physical VMEM at compile time ("Used X of 16.00M
     vmem"), so a block that does not fit fails to compile, it never runs out at run time.
     """

@@ -228,6 +228,11 @@ class DecodeGridSpec(ForwardGridSpec):
     dimension_semantics: tuple[str, ...] = ("parallel", "parallel", "arbitrary")
     bounds_checks: bool = True     # the page table is the caller's: keep Mosaic's DMA checks
 
+    def vmem_need(self) -> None:
+        """``None``: the chip's ceiling, since :func:`decode_vmem_bytes` counts no spill slots
+        (it is held to half the VMEM instead, :func:`blocks.vmem_budget_bytes`)."""
+        return None
+
 
 def decode_grid_spec(cfg: DecodeConfig) -> DecodeGridSpec:
     """Build the grid, BlockSpecs (with the page-walking index maps) and scratch."""
