@@ -142,6 +142,47 @@ def _copy_kernel(x):
                           in_specs=[spec], out_specs=spec)(x)
 
 
+def test_vmem_placement_reads_the_kernels_operands_from_the_hlo():
+    """Each Pallas kernel's operands and result with their memory space (S(1): VMEM), and the
+    scoped VMEM the kernel was given, from the optimized HLO's text."""
+    hlo = """
+  %q.1 = bf16[2,8,16]{2,1,0:T(8,128)(2,1)} parameter(0)
+  %copy = bf16[2,16,8]{2,1,0:T(8,128)(2,1)S(1)} copy(%q.1), metadata={op_name="q"}
+  %k = bf16[2,16,8]{2,1,0:T(8,128)(2,1)} parameter(1)
+  ROOT %fwd.1 = bf16[2,16,8]{2,1,0:T(8,128)(2,1)} custom-call(%copy, %k), custom_call_target=\
+"tpu_custom_call", backend_config={"scoped_memory_configs":[{"memory_space":"1","offset":"64",\
+"size":"16"}]}
+"""
+    compiled = type("Compiled", (), {"as_text": lambda self: hlo})()
+    report = tpu_compile.CompileReport(chip="v5e", ok=True, compiled=compiled)
+    [k] = tpu_compile.vmem_placement(report)
+    assert k["name"] == "fwd.1" and k["scoped"] == (64, 16)
+    assert [(a, v) for a, _, v in k["operands"]] == [("copy", True), ("k", False)]
+    assert k["result"][2] is False
+
+
+@needs_libtpu
+@pytest.mark.tpu_compile
+def test_a_forward_asking_for_its_need_leaves_xla_room_for_its_query(monkeypatch):
+    """v5e, B=2 T=8192 H=16 d=64, 512²: asking Mosaic for 16 MiB (its need and a quarter, at
+    least the default) instead of the 96 MiB ceiling, the program keeps the forward's query
+    (its [B, H, T, d] copy, 32 MiB) in VMEM; with the ceiling it has no room for it."""
+    from flashlab.kernels import forward_grid
+    x = jax.ShapeDtypeStruct((2, 8192, 16, 64), jnp.bfloat16)
+    f = lambda q, k, v: flashlab.flash_attention(  # noqa: E731
+        q, k, v, block_q=512, block_k=512, interpret=False)
+    [k] = tpu_compile.vmem_placement(tpu_compile.compile(f, x, x, x, chip="v5e"))
+    assert k["scoped"][1] == 16 << 20
+    assert [v for _, _, v in k["operands"][2:]] == [True, False, False]     # q; k and v: HBM
+    monkeypatch.setattr(forward_grid, "scoped_vmem_bytes",
+                        lambda need, chip=None: blk.vmem_limit_bytes(chip))
+    jax.clear_caches()                   # the kernel's jit traced its compiler params already
+    [k] = tpu_compile.vmem_placement(tpu_compile.compile(f, x, x, x, chip="v5e"))
+    assert k["scoped"][1] == 96 << 20 and not any(v for _, _, v in k["operands"][2:])
+    monkeypatch.undo()
+    jax.clear_caches()                   # no later test gets the ceiling's kernel from a cache
+
+
 @needs_libtpu
 @pytest.mark.tpu_compile
 def test_a_rejected_kernel_gives_the_compilers_vmem_report_never_a_silent_success():

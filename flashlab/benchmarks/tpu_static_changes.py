@@ -32,7 +32,10 @@ def stored_before(name: str) -> dict:
     non-causal runs, each tile still behind an always-true branch and the fused kernel still
     zeroing dK, dV per kv row), ``"forward_init_before"`` (the forward of those four runs with
     an init region storing each q row's opening state, before its first step took that state
-    through a select). Chapters 05 and 07 set these against a run with
+    through a select), ``"forward_vmem_before"`` (the forward of all eleven runs while it asked
+    Mosaic for the chip's whole VMEM ceiling, before it asked for its blocks' need:
+    :func:`flashlab.kernels.forward_grid.scoped_vmem_bytes`). Chapters 05 and 07 set these
+    against a run with
     :func:`tpu_static_report.before_after_table`."""
     return json.loads((DATA / f"{name}.json").read_text())
 

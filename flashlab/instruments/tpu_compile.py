@@ -35,6 +35,7 @@ import functools
 import importlib.metadata
 import importlib.util
 import os
+import re
 import tempfile
 from typing import Any, Callable
 
@@ -44,7 +45,7 @@ import numpy as np
 from flashlab.contract import device
 
 __all__ = ["CHIPS", "CompileReport", "CompileError", "LibtpuMissingError", "available",
-           "require", "devices", "mesh", "compile", "versions", "pallas_calls"]
+           "require", "devices", "mesh", "compile", "versions", "pallas_calls", "vmem_placement"]
 
 #: Generation name -> the topology libtpu describes (a one-host slice of four chips).
 CHIPS = {"v4": "v4:2x2x1", "v5e": "v5e:2x2", "v5p": "v5p:2x2x1", "v6e": "v6e:2x2",
@@ -341,3 +342,34 @@ def pallas_calls(fn: Callable, *args, chip: str = "v5e", **static_kwargs) -> lis
 
     walk(closed.jaxpr)
     return found
+
+
+_DEF = re.compile(r"^\s*(?:ROOT\s+)?%(\S+) = (.*?) ([\w-]+)\((.*)$")
+_SCOPED = re.compile(r'scoped_memory_configs":\[\{[^}]*"offset":"(\d+)","size":"(\d+)"')
+
+
+def vmem_placement(report: CompileReport) -> list[dict]:
+    """Which of each Pallas kernel's operands and results the compiled program keeps in VMEM,
+    from its optimized HLO (memory space 1: ``S(1)`` in a layout). One dict per kernel, in
+    program order: ``name``; ``operands`` and ``result``, each ``(hlo name, shape, in_vmem)``
+    (a tuple result: one entry); ``scoped``, the VMEM Mosaic was given for the kernel's own
+    blocks and scratch (``(offset, size)`` in bytes: its ``vmem_limit_bytes``). What XLA keeps
+    in VMEM the kernel reads or writes with no DMA to HBM; XLA can place nothing in a
+    kernel's scoped VMEM, so a kernel that asks for more than it needs leaves it less room."""
+    defs, kernels = {}, []
+    for line in report.raise_if_failed().compiled.as_text().splitlines():
+        m = _DEF.match(line)
+        if not m:
+            continue
+        name, shape, opcode, rest = m.groups()
+        defs[name] = shape
+        if opcode == "custom-call" and "tpu_custom_call" in rest:
+            sc = _SCOPED.search(rest)
+            args = re.findall(r"%([\w.-]+)", rest.split(")", 1)[0])
+            kernels.append((name, shape, args, (int(sc.group(1)), int(sc.group(2)))
+                            if sc else None))
+    vmem = lambda shape: "S(1)" in shape  # noqa: E731
+    return [dict(name=name, operands=[(a, defs.get(a, "?"), vmem(defs.get(a, "")))
+                                      for a in args],
+                 result=(name, shape, vmem(shape)), scoped=scoped)
+            for name, shape, args, scoped in kernels]
