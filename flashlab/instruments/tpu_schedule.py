@@ -134,6 +134,7 @@ class TileSchedule:
     # region less init and finalize, the step's work inside that region included
     unpredicated: bool = False
     tile_util: list = dataclasses.field(default_factory=list, repr=False)  # table rows of the tile
+    tile_index: list = dataclasses.field(default_factory=list, repr=False)  # its bundles' indices
 
     @property
     def mxu_cycles(self) -> float:
@@ -146,8 +147,8 @@ class TileSchedule:
         return self.mxu_busy_cycles / (self.num_mxu * self.tile_cycles)
 
     def as_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        d.pop("tile_util")
+        skip = ("tile_util", "tile_index")                  # per-bundle: not a figure
+        d = {k: v for k, v in dataclasses.asdict(self).items() if k not in skip}
         d.update(mxu_cycles=self.mxu_cycles, occupancy=self.occupancy)
         return d
 
@@ -394,7 +395,7 @@ def analyze(packed_path, util_path=None, kernel: str | None = None) -> TileSched
         mxu_busy_cycles=sum(busy[i] for i in in_tile),
         unit_busy={c: sum(rows[i][k] for i in in_tile) for k, c in enumerate(cols)},
         unit_capacity=dict(caps), op_mix={u: mix.get(u, 0) for u in UNITS},
-        matmuls=dict(dtypes), tile_util=[rows[i] for i in in_tile])
+        matmuls=dict(dtypes), tile_util=[rows[i] for i in in_tile], tile_index=in_tile)
 
 
 def kernel_cycles(s: TileSchedule, *, steps: int, tiles: int, rows: int, partial: int = 0,
