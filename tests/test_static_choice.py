@@ -5,7 +5,7 @@ import jax.numpy as jnp
 
 from flashlab.benchmarks import tpu_static_report
 from flashlab.dispatch import registry, static_table
-from flashlab.kernels import tuned_blocks
+from flashlab.kernels import blocks as blk, forward_grid, tuned_blocks
 from flashlab.kernels.forward import INIT_REGION
 from flashlab.contract.masks import validate
 
@@ -306,8 +306,10 @@ def test_the_forward_asking_for_its_vmem_need_is_faster_or_the_same_kernel():
     ``forward_grid.scoped_vmem_bytes``), not the chip's ceiling. Against the stored BEFORE rows
     (``forward_vmem_before``: the forward rows of the eleven runs at 7ccc6a6), in every run
     measured again since: v4, whose ceiling is Mosaic's 16 MiB default (the limit it asks for
-    now too), compiles to the same cycles; no row got slower; and every 512² row on v5e and v6e
-    got faster (XLA keeps an operand in VMEM there: a grid step with a DMA fewer)."""
+    now too), compiles to the same cycles; no row got slower; and on v5e and v6e every 512² row
+    got faster where a ``[B, H, T, d]`` copy fits the VMEM the kernel leaves XLA (XLA keeps an
+    operand there: a grid step with a DMA fewer), and compiled to the same cycles where none
+    does (d = 256: a 128 MiB copy)."""
     doc = tpu_static_report.stored_before("forward_vmem_before")
     cycles = ("tile_cycles", "step_cycles", "init_cycles", "finalize_cycles", "est_cycles")
     again = 0
@@ -320,11 +322,18 @@ def test_the_forward_asking_for_its_vmem_need_is_faster_or_the_same_kernel():
         shape = tpu_static_report.shape_of(after[0])
         pairs = list(_matched([r for r in doc["rows"] if tpu_static_report.shape_of(r) == shape],
                               after))
-        assert len(pairs) >= 40, path
+        # every 512² and swept row has its before (a default pair may have moved since)
+        ours = [r for r in after if r["library"] == "flashlab" and r["blocks"] != "default"]
+        assert len(pairs) >= len(ours) >= 5, path
         for b, a in pairs:
             if b["chip"] == "v4":
                 assert [a[c] for c in cycles] == [b[c] for c in cycles], b
             assert a["est_cycles"] <= b["est_cycles"], b
             if b["chip"] in ("v5e", "v6e") and b["blocks"] == "equal":
-                assert a["est_cycles"] < b["est_cycles"], b
+                copy = b["batch"] * b["heads"] * b["seq_len"] * b["head_dim"] * 2     # bf16
+                room = blk.vmem_capacity_bytes(b["chip"]) - forward_grid.scoped_vmem_bytes(
+                    blk.vmem_bytes(512, 512, b["head_dim"], jnp.bfloat16), b["chip"])
+                fits = copy <= room
+                assert (a["est_cycles"] < b["est_cycles"]) == fits, (fits, b)
+                assert fits or [a[c] for c in cycles] == [b[c] for c in cycles], b
     assert again >= 1
