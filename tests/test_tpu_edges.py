@@ -57,6 +57,10 @@ def test_bad_input_names_the_argument(tile):
     idle = [[0 if i == k else v for i, v in enumerate(row)] for row in tile.tile_util]
     with pytest.raises(ValueError, match=r"keeps no MXU busy"):
         tpu_edges.mxu_edges(dataclasses.replace(tile, tile_util=idle))
+    busy_first = [list(row) for row in tile.tile_util]
+    busy_first[0][k] = 1                       # an MXU busy from the tile's first cycle
+    warm = dataclasses.replace(tile, tile_util=busy_first)
+    assert tpu_edges.mxu_edges(warm).open_cycles == 0 and tpu_edges.opening_line(warm) == ""
     for n in (0, -1, 2.5, True, "8"):
         with pytest.raises(ValueError, match=r"n: expected a positive int"):
             tpu_edges.opening(tile, n)

@@ -1,4 +1,5 @@
-"""Where a tile's MXUs wait: its opening, its close, and the cycles between (chapter 05).
+"""Where a tile's MXUs wait: its opening, its close, and the cycles between (chapter 07,
+"What is left at 512²").
 
 A tile of :class:`flashlab.instruments.tpu_schedule.TileSchedule` is ``tile_cycles`` bundles,
 of which ``mxu_cycles`` would be matmul if every MXU were busy all the time. The rest is
@@ -77,4 +78,5 @@ def opening_line(s: ts.TileSchedule) -> str:
             return "M"
         pushes = [o for o in ops if o.startswith("vmatpush")]
         return "." if not pushes else "x" if any(".xpose" in o for o in pushes) else "p"
-    return "".join(mark(ops) for ops in opening(s, mxu_edges(s).open_cycles))
+    n = mxu_edges(s).open_cycles            # 0: an MXU is busy from the tile's first cycle
+    return "".join(mark(ops) for ops in opening(s, n)) if n else ""
