@@ -209,6 +209,39 @@ def test_fused_backward_resident_dq_on_both_grids(visit):
     _assert_matches_oracle(got, q, k, v, dout, {"is_causal": True})
 
 
+@pytest.mark.parametrize("chunks,interpret", [(1, "generic"), (2, "generic"), (1, "tpu"),
+                                             (2, "tpu")],
+                         ids=["whole", "chunks", "tpu-interpret", "tpu-interpret-chunks"])
+def test_fused_dense_grid_writes_dq_on_its_first_kv_row(chunks, interpret):
+    """Every block visible (non-causal, whole lengths): the fused kernel's first kv row writes
+    each q block's dQ rows and later rows add, so no step zeroes the resident dQ and the only
+    branch left is the row's last step (dK, dV out). GQA (G = 2), two batch rows and two kv
+    heads, dQ whole and in two query chunks; in TPU interpret mode too, where uninitialized
+    VMEM is NaN (a select that let the old contents through would show) and the race
+    detector is on. The float64 oracle's gradients."""
+    from conftest import kernel_eqns
+    from flashlab.kernels import backward
+    from flashlab.kernels.backward_grid import dkdv_grid_spec
+    rng = np.random.default_rng(37)
+    q, k, v = random_qkv(rng, 2, 512, 512, 4, 2, 64)
+    dout = rng.standard_normal((2, 512, 4, 64)).astype(np.float32)
+    q_, k_, v_, spec = validate(*(jnp.asarray(x) for x in (q, k, v)), None, None)
+    out, lse = flash_attention_forward(q_, k_, v_, spec, block_q=128, block_k=128,
+                                       interpret=True)
+    cfg = make_backward_config(spec, block_q=128, block_k=128, fused=True, visit_grid=False)
+    assert blk.every_block_visible(cfg)
+    assert len(dkdv_grid_spec(cfg, fused=chunks).grid) == (5 if chunks == 1 else 6)
+    args = (q_, k_, v_, spec, out, lse, jnp.asarray(dout))
+    [kernel] = kernel_eqns(lambda *a: backward._backward(*a, cfg=cfg, interpret=True,
+                                                         fused=chunks)[:3], *args)
+    assert sum(e.primitive.name == "cond" for e in kernel) == 1          # pl.when(last)
+    mode = device.tpu_interpret_params() if interpret == "tpu" else True
+    got = backward._backward(*args, cfg=cfg, interpret=mode, fused=chunks)[:3]
+    _assert_matches_oracle(got, q, k, v, dout, {})
+    if interpret == "tpu":
+        assert compat.races_found() is False
+
+
 @pytest.mark.parametrize("visit,chunks,interpret,T,bq,bk", [
     (True, 1, "generic", 700, 256, 256), (False, 1, "generic", 700, 256, 256),
     (True, 3, "generic", 700, 256, 256), (False, 3, "generic", 700, 256, 256),
