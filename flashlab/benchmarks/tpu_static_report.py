@@ -128,7 +128,7 @@ def target_table(rows, *, kernel: str = "forward", target: float | None = None) 
                               + (f"+{r['bwd_blocks']}" if "bwd_blocks" in r else ""))
             t = TARGETS.get(chip, 0.9) if target is None else target
             verdict = f"<= {t:.1f} " + ("met" if ratio <= t else "MISSED")
-            digits = 3 if round(ratio, 2) == t else 2        # 0.904 missed, not "0.90"
+            digits = next(n for n in (2, 3, 4) if round(ratio, n) != t or n == 4)  # 0.904, 0.8995
             out.append(f"{chip:4} {mode:6} {desc(f):>18} {o['library'] + ' ' + desc(o):>30} "
                        f"{ratio:6.{digits}f} {verdict:>12}")
     return "\n".join(out)
