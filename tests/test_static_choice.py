@@ -261,10 +261,11 @@ def test_the_non_causal_runs_read_jaxs_unbranched_tile_as_its_own():
     and the runs since differ by exactly that: the same kernel, read with init and finalize
     apart. flashlab's forward and fused rows there are a kernel change (no branch around
     the tile, no per-row zeroing in the fused one): no slower at any pair, faster at 512².
-    Our forward has changed since (the next test): its rows right after this change are the
-    stored ``forward_init_before``."""
+    Our forward and fused kernel have changed since (the next tests): their rows right after
+    this change are the stored ``forward_init_before`` and ``dq_zeroing_before``."""
     before = tpu_static_report.stored_before("noncausal_branch_before")["rows"]
-    after = _noncausal_rows() + tpu_static_report.stored_before("forward_init_before")["rows"]
+    after = _noncausal_rows() + [r for name in ("forward_init_before", "dq_zeroing_before")
+                                 for r in tpu_static_report.stored_before(name)["rows"]]
     jax_rows = flashlab_rows = 0
     for b, a in _matched(before, after):
         if b["library"] == "jax_pallas_flash":
@@ -349,9 +350,10 @@ def test_the_fused_backward_writes_dq_on_its_first_kv_row_where_every_block_is_v
     (batch, kv head, query chunk)'s first step. Against the stored BEFORE rows
     (``dq_zeroing_before``: our fused rows of the four non-causal runs at 09233ef), in every
     run measured again since: no init region is left (the zeroing was the fused kernel's only
-    one there), the tile is 6-15 cycles shorter on v4, v5e, v5p and v6e, and the whole kernel
-    is faster at every pair but one, 7x at 512², whose tile grew 10 cycles (1624 -> 1634 at
-    T = 8192) while its wider pairs gained most (2048²: 21119 -> 20849)."""
+    one there); on v5e, v5p and v6e the tile is 14-18 cycles shorter at every pair and the
+    whole kernel faster; on v4 and 7x the scheduler moves the tile both ways (7x at 512²
+    1624 -> 1634, at 2048² 21119 -> 20849), and at most three pairs a run got slower, by under
+    1% (7x at 512²; v4 at d = 64 at 512² and 1024²)."""
     doc = tpu_static_report.stored_before("dq_zeroing_before")
     again = 0
     for path in static_table.STORED_SHAPES:
@@ -365,10 +367,14 @@ def test_the_fused_backward_writes_dq_on_its_first_kv_row_where_every_block_is_v
         pairs = list(_matched([r for r in doc["rows"] if tpu_static_report.shape_of(r) == shape],
                               after))
         assert len(pairs) >= 40, path                      # 5 chips x (512² and 7 sweeps)
+        slower = set()
         for b, a in pairs:
             assert b["init_cycles"] > 0 and a["init_cycles"] == 0, b
-            slower = (b["chip"], b["block_q"], b["block_k"]) == ("7x", 512, 512)
-            assert (a["est_cycles"] > b["est_cycles"]) == slower, b
-            if b["chip"] != "7x":
-                assert 6 <= b["tile_cycles"] - a["tile_cycles"] <= 15, b
-    assert again >= 1
+            if b["chip"] in ("v5e", "v5p", "v6e"):
+                assert 14 <= b["tile_cycles"] - a["tile_cycles"] <= 18, b
+                assert a["est_cycles"] < b["est_cycles"], b
+            elif a["est_cycles"] > b["est_cycles"]:
+                assert a["est_cycles"] < 1.01 * b["est_cycles"], b
+                slower.add((b["chip"], b["block_q"], b["block_k"]))
+        assert ("7x", 512, 512) in slower and len(slower) <= 3, (path, slower)
+    assert again >= 2
