@@ -121,10 +121,12 @@ def test_live_compile_reads_an_unbranched_tile_where_every_block_is_visible(caus
                                  + s.finalize_cycles + sum(s.case_cycles)), role
         assert s.finalize_cycles > 0 and s.step_cycles > 0 and s.mxu_cycles < s.tile_cycles
     # the fused backward's only init is its dQ zeroing: dK, dV are written at a kv row's
-    # first step (non-causal) or first crossed tile (causal, diagonal.writes_first)
+    # first step (non-causal) or first crossed tile (causal, diagonal.writes_first); where
+    # every block is visible the first kv row writes dQ too, and there is no init at all
     fused = d.kernels["dkdv"].schedule
     assert bts.resident_zeroing(fused, seq_len=1024, block_q=512, head_dim=128) == (
-        fused.init_cycles) > 0
+        fused.init_cycles)
+    assert (fused.init_cycles > 0) is causal
 
 
 @pytest.mark.parametrize("edit, match", [

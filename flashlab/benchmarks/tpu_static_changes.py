@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-__all__ = ["stored_before", "measured_again", "diagonal_cycles", "diagonal_table"]
+__all__ = ["stored_before", "diagonal_cycles", "diagonal_table"]
 
 DATA = Path(__file__).parent.parent / "data"
 
@@ -36,34 +36,11 @@ def stored_before(name: str) -> dict:
     Mosaic for the chip's whole VMEM ceiling, before it asked for its blocks' need:
     :func:`flashlab.kernels.forward_grid.scoped_vmem_bytes`). Chapters 05 and 07 set these
     against a run with
-    :func:`tpu_static_report.before_after_table` (:func:`measured_again`, per run, where the
-    file names each run's commit: ``"forward_vmem_before"``, ``"dq_zeroing_before"``, the
-    fused backward's rows of the four non-causal runs before its first kv row wrote dQ)."""
+    :func:`tpu_static_report.before_after_table` (per run with
+    :func:`tpu_static_remeasured.measured_again`, where the file names each run's commit:
+    ``"forward_vmem_before"``, ``"dq_zeroing_before"``, the fused backward's rows of the four
+    non-causal runs before its first kv row wrote dQ)."""
     return json.loads((DATA / f"{name}.json").read_text())
-
-
-def measured_again(doc: dict, paths, *, kernels) -> str:
-    """A BEFORE file with ``runs`` (each run's file and the commit it was measured at, before
-    the change) against the stored runs at ``paths``: for each run measured again since,
-    flashlab's ``kernels`` of its shape before and after, at 512² and at the best blocks
-    (:func:`tpu_static_report.before_after_table`); a run not measured again says so."""
-    from flashlab.benchmarks.tpu_static_report import before_after_table, shape_of
-    from flashlab.dispatch import static_table
-    out = []
-    for path in map(Path, paths):
-        if path.name not in doc["runs"]:
-            continue
-        run = static_table.stored(path)
-        shape = shape_of(run["rows"][0])
-        if run["args"]["commit"] == doc["runs"][path.name]:
-            out.append(f"\n{shape}: not measured again, its run is the one at "
-                       f"{run['args']['commit']}")
-            continue
-        before = [r for r in doc["rows"] if shape_of(r) == shape]
-        for blocks in ("equal", "best"):
-            out += [f"\n{shape}, {'512²' if blocks == 'equal' else 'best blocks'}:",
-                    before_after_table(before, run["rows"], kernels=kernels, blocks=blocks)]
-    return "\n".join(out)
 
 
 def diagonal_cycles(row: dict) -> int:
