@@ -4,6 +4,7 @@ import json
 import jax.numpy as jnp
 
 from flashlab.benchmarks import tpu_static_report
+from flashlab.benchmarks.tpu_static_remeasured import remeasured
 from flashlab.dispatch import registry, static_table
 from flashlab.kernels import blocks as blk, forward_grid, tuned_blocks
 from flashlab.kernels.forward import INIT_REGION
@@ -317,15 +318,13 @@ def test_the_forward_asking_for_its_vmem_need_is_faster_or_the_same_kernel():
     doc = tpu_static_report.stored_before("forward_vmem_before")
     cycles = ("tile_cycles", "step_cycles", "init_cycles", "finalize_cycles", "est_cycles")
     again = 0
-    for path in (static_table.STORED, *static_table.STORED_SHAPES, *static_table.STORED_OPTIONS):
-        run = static_table.stored(path)
-        if run["args"]["commit"] == doc["runs"][path.name]:
+    paths = (static_table.STORED, *static_table.STORED_SHAPES, *static_table.STORED_OPTIONS)
+    for path, run, before in remeasured(doc, paths):
+        if before is None:
             continue                                          # the run before the change
         again += 1
         after = [r for r in tuned_blocks.stored_rows(run) if r["kernel"] == "forward"]
-        shape = tpu_static_report.shape_of(after[0])
-        pairs = list(_matched([r for r in doc["rows"] if tpu_static_report.shape_of(r) == shape],
-                              after))
+        pairs = list(_matched(before, after))
         # every 512² and swept row has its before (a default pair may have moved since)
         ours = [r for r in after if r["library"] == "flashlab" and r["blocks"] != "default"]
         assert len(pairs) >= len(ours) >= 5, path
@@ -356,16 +355,13 @@ def test_the_fused_backward_writes_dq_on_its_first_kv_row_where_every_block_is_v
     1% (7x at 512²; v4 at d = 64 at 512² and 1024²)."""
     doc = tpu_static_report.stored_before("dq_zeroing_before")
     again = 0
-    for path in static_table.STORED_SHAPES:
-        run = static_table.stored(path)
-        if path.name not in doc["runs"] or run["args"]["commit"] == doc["runs"][path.name]:
+    for path, run, before in remeasured(doc, static_table.STORED_SHAPES):
+        if before is None:
             continue                                       # not measured again since
         again += 1
         after = [r for r in tuned_blocks.stored_rows(run)
                  if (r["library"], r["kernel"]) == ("flashlab", "fused")]
-        shape = tpu_static_report.shape_of(after[0])
-        pairs = list(_matched([r for r in doc["rows"] if tpu_static_report.shape_of(r) == shape],
-                              after))
+        pairs = list(_matched(before, after))
         assert len(pairs) >= 40, path                      # 5 chips x (512² and 7 sweeps)
         slower = set()
         for b, a in pairs:

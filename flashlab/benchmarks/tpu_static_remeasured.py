@@ -7,25 +7,34 @@ from pathlib import Path
 from flashlab.benchmarks.tpu_static_report import before_after_table, shape_of
 from flashlab.dispatch import static_table
 
-__all__ = ["measured_again"]
+__all__ = ["remeasured", "measured_again"]
 
 
-def measured_again(doc: dict, paths, *, kernels) -> str:
-    """A BEFORE file with ``runs`` (each run's file and the commit it was measured at, before
-    the change) against the stored runs at ``paths``: for each run measured again since,
-    flashlab's ``kernels`` of its shape before and after, at 512² and at the best blocks
-    (:func:`tpu_static_report.before_after_table`); a run not measured again says so."""
-    out = []
+def remeasured(doc: dict, paths):
+    """``(path, run, before)`` for each stored run at ``paths`` that a BEFORE file ``doc``
+    names in its ``runs`` (each run's file and the commit it was measured at, before the
+    change): ``before``, the file's rows of that run's shape, or ``None`` where the run is
+    still the one at that commit (not measured again since)."""
     for path in map(Path, paths):
         if path.name not in doc["runs"]:
             continue
         run = static_table.stored(path)
         shape = shape_of(run["rows"][0])
-        if run["args"]["commit"] == doc["runs"][path.name]:
+        again = run["args"]["commit"] != doc["runs"][path.name]
+        yield path, run, ([r for r in doc["rows"] if shape_of(r) == shape] if again else None)
+
+
+def measured_again(doc: dict, paths, *, kernels) -> str:
+    """For each run of :func:`remeasured` measured again since, flashlab's ``kernels`` of its
+    shape before and after, at 512² and at the best blocks
+    (:func:`tpu_static_report.before_after_table`); a run not measured again says so."""
+    out = []
+    for _, run, before in remeasured(doc, paths):
+        shape = shape_of(run["rows"][0])
+        if before is None:
             out.append(f"\n{shape}: not measured again, its run is the one at "
                        f"{run['args']['commit']}")
             continue
-        before = [r for r in doc["rows"] if shape_of(r) == shape]
         for blocks in ("equal", "best"):
             out += [f"\n{shape}, {'512²' if blocks == 'equal' else 'best blocks'}:",
                     before_after_table(before, run["rows"], kernels=kernels, blocks=blocks)]

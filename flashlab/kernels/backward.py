@@ -117,12 +117,10 @@ def _dkdv_kernel(*refs, cfg: ForwardConfig, names: RefNames, fused: int = 0):
         ranged = cfg.mask_q_len or cfg.mask_kv_len      # listed = positionally visible
         if chunked:             # chunk after chunk, each listing every kv row from j = 0
             chunk = chunk_of_block(i, per)
-            opens = jnp.logical_and(jnp.logical_and(first_i, g == 0), j == 0)
     elif chunked:               # (b, hk, c, j, g, i): i local to chunk c
         chunk, j, i_local = pl.program_id(2), pl.program_id(3), pl.program_id(5)
         i = chunk * per + i_local
         first_i, last_i, run, ranged = i_local == 0, i_local == per - 1, None, True
-        opens = functools.reduce(jnp.logical_and, [pl.program_id(a) == 0 for a in (3, 4, 5)])
     elif folded:                # kv blocks p and T_c - 1 - p on one row: every step visible
         j, i, first_i, last_i = diagonal.fold_step(cfg, pl.program_id(2), pl.program_id(3))
         # always true, kept as a branch: the tile and the diagonal's cases then sit in one
@@ -137,9 +135,6 @@ def _dkdv_kernel(*refs, cfg: ForwardConfig, names: RefNames, fused: int = 0):
     else:
         j, i = pl.program_id(2), pl.program_id(4)
         first_i, last_i, run, ranged = i == 0, i == cfg.num_q_blocks - 1, None, True
-    if fused == 1:              # the (b, hk)'s first step
-        opens = functools.reduce(jnp.logical_and, [
-            pl.program_id(a) == 0 for a in range(2, 4 if on_visits or folded else 5)])
     first = jnp.logical_and(first_i, g == 0)
     last = jnp.logical_and(last_i, g == last_g)
     # Dense grid, every step visible: no branch around the tile, and no init region: the
@@ -164,6 +159,12 @@ def _dkdv_kernel(*refs, cfg: ForwardConfig, names: RefNames, fused: int = 0):
     # rows, later rows add: no zeroing of the resident dQ, no branch on the chunk's first step
     # (v5e, T=8192 non-causal, 512²: tile 2820 -> 2805 cycles, a 1029-cycle zeroing gone)
     if fused and not dense:   # the chunk's first step: its G heads' dQ [G, T / n, d] = 0
+        if on_visits and chunked:       # each chunk's list starts again at kv row 0
+            opens = jnp.logical_and(jnp.logical_and(first_i, g == 0), j == 0)
+        else:                           # every axis after (b, hk) (and the chunk's) at 0
+            opens = functools.reduce(jnp.logical_and, [pl.program_id(a) == 0 for a in (
+                (3, 4, 5) if chunked else range(2, 4 if on_visits or folded else 5))])
+
         @pl.when(opens)
         def _zero_dq():
             dq_ref[...] = jnp.zeros(dq_ref.shape, jnp.float32)
