@@ -349,10 +349,12 @@ def test_the_fused_backward_writes_dq_on_its_first_kv_row_where_every_block_is_v
     (batch, kv head, query chunk)'s first step. Against the stored BEFORE rows
     (``dq_zeroing_before``: our fused rows of the four non-causal runs at 09233ef), in every
     run measured again since: no init region is left (the zeroing was the fused kernel's only
-    one there); on v5e, v5p and v6e the tile is 14-18 cycles shorter at every pair and the
-    whole kernel faster; on v4 and 7x the scheduler moves the tile both ways (7x at 512²
-    1624 -> 1634, at 2048² 21119 -> 20849), and at most three pairs a run got slower, by under
-    1% (7x at 512²; v4 at d = 64 at 512² and 1024²)."""
+    one there). Where a (b, hk) is one grid step (T = 2048 at 2048²) the branch was always
+    taken and had compiled away: no init before either, and no slower. Elsewhere on v5e, v5p
+    and v6e the tile is 10-22 cycles shorter at every pair and the whole kernel faster; on v4
+    and 7x the scheduler moves the tile both ways (7x at 512² and T = 8192 1624 -> 1634, at
+    2048² 21119 -> 20849), and at most three pairs a run got slower, by under 1% (7x at 512²
+    at T = 8192 and d = 64; v4 at d = 64 at 512² and 1024²)."""
     doc = tpu_static_report.stored_before("dq_zeroing_before")
     again = 0
     for path, run, before in remeasured(doc, static_table.STORED_SHAPES):
@@ -365,12 +367,15 @@ def test_the_fused_backward_writes_dq_on_its_first_kv_row_where_every_block_is_v
         assert len(pairs) >= 40, path                      # 5 chips x (512² and 7 sweeps)
         slower = set()
         for b, a in pairs:
-            assert b["init_cycles"] > 0 and a["init_cycles"] == 0, b
-            if b["chip"] in ("v5e", "v5p", "v6e"):
-                assert 14 <= b["tile_cycles"] - a["tile_cycles"] <= 18, b
+            assert a["init_cycles"] == 0, a
+            if b["init_cycles"] == 0:                      # one step a (b, hk): no branch left
+                assert b["block_k"] == b["seq_len"], b
+                assert a["est_cycles"] <= b["est_cycles"], b
+            elif b["chip"] in ("v5e", "v5p", "v6e"):
+                assert 10 <= b["tile_cycles"] - a["tile_cycles"] <= 22, b
                 assert a["est_cycles"] < b["est_cycles"], b
             elif a["est_cycles"] > b["est_cycles"]:
                 assert a["est_cycles"] < 1.01 * b["est_cycles"], b
                 slower.add((b["chip"], b["block_q"], b["block_k"]))
-        assert ("7x", 512, 512) in slower and len(slower) <= 3, (path, slower)
-    assert again >= 2
+        assert len(slower) <= 3, (path, slower)
+    assert again >= 3
