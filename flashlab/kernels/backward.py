@@ -135,14 +135,23 @@ def _dkdv_kernel(*refs, cfg: ForwardConfig, names: RefNames, fused: int = 0):
     else:
         j, i = pl.program_id(2), pl.program_id(4)
         first_i, last_i, run, ranged = i == 0, i == cfg.num_q_blocks - 1, None, True
-    first = jnp.logical_and(first_i, g == 0)
-    last = jnp.logical_and(last_i, g == last_g)
     # Dense grid, every step visible: no branch around the tile, and no init region: the
     # row's first step writes the accumulators (v6e, T=2048, fused at 512²: tile + step 1718 ->
     # 1705 cycles, dK/dV zeroing 60 -> 0 and finalize 63 -> 37 a kv row); tpu_schedule.analyze
     # reads such a tile as unpredicated
     dense = ranged and blk.every_block_visible(cfg)
     ranged = ranged and not dense
+    # Dense grid: the first kv row (j = 0) writes each (g, i)'s dQ rows, later rows add (v5e,
+    # T=8192 non-causal, 512²: tile 2820 -> 2805, a 1029-cycle zeroing gone). Elsewhere the
+    # chunk's first step, `opens`, zeroes its dQ [G, T / n, d]: built before the step's other
+    # conditions (after them the window's fused step is 8-12 cycles longer: v5e 215 -> 227)
+    # (a chunk's visit list starts again at kv row 0; otherwise every axis after (b, hk) is 0)
+    opens = None if not fused or dense else (
+        jnp.logical_and(jnp.logical_and(first_i, g == 0), j == 0) if on_visits and chunked
+        else functools.reduce(jnp.logical_and, [pl.program_id(a) == 0 for a in (
+            (3, 4, 5) if chunked else range(2, 4 if on_visits or folded else 5))]))
+    first = jnp.logical_and(first_i, g == 0)
+    last = jnp.logical_and(last_i, g == last_g)
     if ranged:          # exactly the index map's unclamped steps (visit grid: run-time lengths)
         lo, hi = _q_range(cfg, 0, j, (q_len,), (kv_len,), offsets_ref)
         in_range = jnp.logical_and(lo <= i, i <= hi)
@@ -155,16 +164,7 @@ def _dkdv_kernel(*refs, cfg: ForwardConfig, names: RefNames, fused: int = 0):
             dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
             dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
 
-    # Dense grid: the chunk's first kv row (j = 0) visits each (g, i) once and writes its dQ
-    # rows, later rows add: no zeroing of the resident dQ, no branch on the chunk's first step
-    # (v5e, T=8192 non-causal, 512²: tile 2820 -> 2805 cycles, a 1029-cycle zeroing gone)
-    if fused and not dense:   # the chunk's first step: its G heads' dQ [G, T / n, d] = 0
-        if on_visits and chunked:       # each chunk's list starts again at kv row 0
-            opens = jnp.logical_and(jnp.logical_and(first_i, g == 0), j == 0)
-        else:                           # every axis after (b, hk) (and the chunk's) at 0
-            opens = functools.reduce(jnp.logical_and, [pl.program_id(a) == 0 for a in (
-                (3, 4, 5) if chunked else range(2, 4 if on_visits or folded else 5))])
-
+    if opens is not None:
         @pl.when(opens)
         def _zero_dq():
             dq_ref[...] = jnp.zeros(dq_ref.shape, jnp.float32)
