@@ -28,7 +28,8 @@ from flashlab.compat import pallas as compat
 from flashlab.kernels import blocks as blk
 from flashlab.kernels import flash_attention
 from flashlab.kernels.backward import flash_attention_backward
-from flashlab.kernels.backward_grid import backward_grid_specs, make_backward_config
+from flashlab.kernels.backward_grid import (backward_grid_specs, make_backward_config,
+                                            grads_on_lanes)
 from flashlab.kernels.forward import flash_attention_forward
 from flashlab.contract.masks import block_maybe_visible, validate
 from flashlab.ladder.reference import naive_attention
@@ -116,10 +117,10 @@ def test_hypothesis_breadth(data):
 
 @pytest.mark.parametrize("early", [True, False], ids=["early-dV", "late-dV"])
 def test_both_dv_orders_match_the_oracle(monkeypatch, early):
-    """The dK/dV kernel's two orders (backward.EARLY_DV: dV issued before dP on v5e/v5p,
+    """The dK/dV kernel's two orders (backward_tile.EARLY_DV: dV issued before dP on v5e/v5p,
     after dS elsewhere) compute the same gradients."""
-    from flashlab.kernels import backward
-    monkeypatch.setattr(backward, "EARLY_DV", frozenset(
+    from flashlab.kernels import backward_tile
+    monkeypatch.setattr(backward_tile, "EARLY_DV", frozenset(
         {(blk.resolve_chip(), True)} if early else ()))
     rng = np.random.default_rng(5)
     T = 256 if early else 384                  # a shape of its own: no trace cached across
@@ -209,16 +210,19 @@ def test_fused_backward_resident_dq_on_both_grids(visit):
     _assert_matches_oracle(got, q, k, v, dout, {"is_causal": True})
 
 
-@pytest.mark.parametrize("chunks,interpret", [(1, "generic"), (2, "generic"), (1, "tpu"),
-                                             (2, "tpu")],
-                         ids=["whole", "chunks", "tpu-interpret", "tpu-interpret-chunks"])
-def test_fused_dense_grid_writes_dq_on_its_first_kv_row(chunks, interpret):
+@pytest.mark.parametrize("chunks,interpret,chip", [
+    (1, "generic", "v6e"), (2, "generic", "v6e"), (1, "tpu", "v6e"), (2, "tpu", "v6e"),
+    (1, "generic", "v5e"), (2, "tpu", "v5e")],
+    ids=["whole", "chunks", "tpu-interpret", "tpu-interpret-chunks", "v5e", "v5e-tpu-chunks"])
+def test_fused_dense_grid_writes_dq_on_its_first_kv_row(chunks, interpret, chip):
     """Every block visible (non-causal, whole lengths): the fused kernel's first kv row writes
     each q block's dQ rows and later rows add, so no step zeroes the resident dQ and the only
     branch left is the row's last step (dK, dV out). GQA (G = 2), two batch rows and two kv
     heads, dQ whole and in two query chunks; in TPU interpret mode too, where uninitialized
     VMEM is NaN (a select that let the old contents through would show) and the race
-    detector is on. The float64 oracle's gradients."""
+    detector is on. On v6e with dO and dQ's query positions on lanes (dO read as ``[d,
+    B_r]`` blocks, dQ ``[G, d, T / n]``, :func:`backward_grid.grads_on_lanes`), on v5e as
+    ``[B_r, d]``. The float64 oracle's gradients."""
     from conftest import kernel_eqns
     from flashlab.kernels import backward
     from flashlab.kernels.backward_grid import dkdv_grid_spec
@@ -228,9 +232,18 @@ def test_fused_dense_grid_writes_dq_on_its_first_kv_row(chunks, interpret):
     q_, k_, v_, spec = validate(*(jnp.asarray(x) for x in (q, k, v)), None, None)
     out, lse = flash_attention_forward(q_, k_, v_, spec, block_q=128, block_k=128,
                                        interpret=True)
-    cfg = make_backward_config(spec, block_q=128, block_k=128, fused=True, visit_grid=False)
+    cfg = make_backward_config(spec, block_q=128, block_k=128, fused=True, visit_grid=False,
+                               chip=chip)
     assert blk.every_block_visible(cfg)
-    assert len(dkdv_grid_spec(cfg, fused=chunks).grid) == (5 if chunks == 1 else 6)
+    gs = dkdv_grid_spec(cfg, fused=chunks)
+    assert len(gs.grid) == (5 if chunks == 1 else 6)
+    lanes = chip == "v6e"
+    assert grads_on_lanes(cfg, chunks) == lanes and not grads_on_lanes(cfg, 0)
+    shapes = dict(zip(gs.in_names, (s.block_shape for s in gs.in_specs)))
+    assert shapes["q"] == (None, None, 128, 64)
+    assert shapes["do"] == ((None, None, 64, 128) if lanes else (None, None, 128, 64))
+    assert gs.out_specs[2].block_shape == ((None, 2, 64, 512 // chunks) if lanes else
+                                           (None, 2, 512 // chunks, 64))
     args = (q_, k_, v_, spec, out, lse, jnp.asarray(dout))
     [kernel] = kernel_eqns(lambda *a: backward._backward(*a, cfg=cfg, interpret=True,
                                                          fused=chunks)[:3], *args)
@@ -240,6 +253,35 @@ def test_fused_dense_grid_writes_dq_on_its_first_kv_row(chunks, interpret):
     _assert_matches_oracle(got, q, k, v, dout, {})
     if interpret == "tpu":
         assert compat.races_found() is False
+
+
+@pytest.mark.parametrize("chip", ["v6e", "v5e"], ids=["lanes", "rows"])
+def test_fused_backward_with_grads_on_lanes_and_every_in_tile_option(chip):
+    """dO and dQ with the query positions on lanes (v6e, :func:`backward_grid.grads_on_lanes`;
+    v5e reads them as rows) under every option that hides scores inside a tile but no block:
+    a bias broadcast over batch (its gradient through the dBias kernel), a dense mask,
+    segment ids, a soft cap, GQA (G = 2) and a value head_dim (96) other than the query's
+    (64), T = 384 in three q blocks. The float64 oracle's gradients to float32 tolerance."""
+    from flashlab.kernels import backward
+    rng = np.random.default_rng(41)
+    B, T, N, K = 2, 384, 4, 2
+    q, k, v = random_qkv(rng, B, T, T, N, K, 64, Hv=96)
+    seg = np.repeat(np.arange(3), 128)[None].repeat(B, 0)
+    seg[1, 200:] = 7
+    kw = {"bias": rng.standard_normal((1, N, T, T)).astype(np.float32),
+          "mask": rng.random((B, N, T, T)) > 0.2, "segment_ids": jnp.asarray(seg),
+          "logits_soft_cap": 3.0}
+    dout = rng.standard_normal((B, T, N, 96)).astype(np.float32)
+    q_, k_, v_, spec = validate(*(jnp.asarray(x) for x in (q, k, v)), jnp.asarray(kw["bias"]),
+                                jnp.asarray(kw["mask"]), segment_ids=kw["segment_ids"],
+                                logits_soft_cap=3.0)
+    out, lse = flash_attention_forward(q_, k_, v_, spec, block_q=128, block_k=128,
+                                       interpret=True)
+    cfg = make_backward_config(spec, block_q=128, block_k=128, fused=True, chip=chip)
+    assert grads_on_lanes(cfg, 1) == (chip == "v6e")
+    got = backward._backward(q_, k_, v_, spec, out, lse, jnp.asarray(dout), cfg=cfg,
+                             interpret=True, fused=1)
+    _assert_matches_oracle(got, q, k, v, dout, kw)
 
 
 @pytest.mark.parametrize("visit,chunks,interpret,T,bq,bk", [
@@ -518,7 +560,8 @@ def test_fused_backward_in_query_chunks(visit, option, interpret):
     mode = device.tpu_interpret_params() if interpret == "tpu" else True
     for n in ((3,) if interpret == "tpu" else (3, 1)):
         gs = dkdv_grid_spec(cfg, fused=n)
-        assert gs.q_chunks == n and gs.spec("dq").block_shape == (None, 2, 384 // n, H)
+        dims = (H, 384 // n) if grads_on_lanes(cfg, n) else (384 // n, H)   # plain: lanes
+        assert gs.q_chunks == n and gs.spec("dq").block_shape == (None, 2, *dims)
         if n > 1:
             assert gs.shape("dk").shape == (n, B, K, 384, H)        # float32 partials
             assert len(gs.grid) == (4 if visit else 6)

@@ -7,7 +7,13 @@ from pathlib import Path
 from flashlab.benchmarks.tpu_static_report import before_after_table, shape_of
 from flashlab.dispatch import static_table
 
-__all__ = ["remeasured", "measured_again"]
+__all__ = ["last_commit", "remeasured", "measured_again"]
+
+
+def last_commit(run: dict) -> str:
+    """The commit a stored run's newest rows were measured at: its own run's, or that of the
+    last ``bench tpu-static --update`` into it (which replaced some of its rows)."""
+    return (run.get("updates") or [run["args"]])[-1]["commit"]
 
 
 def remeasured(doc: dict, paths):
@@ -20,7 +26,7 @@ def remeasured(doc: dict, paths):
             continue
         run = static_table.stored(path)
         shape = shape_of(run["rows"][0])
-        again = run["args"]["commit"] != doc["runs"][path.name]
+        again = last_commit(run) != doc["runs"][path.name]
         yield path, run, ([r for r in doc["rows"] if shape_of(r) == shape] if again else None)
 
 
@@ -33,7 +39,7 @@ def measured_again(doc: dict, paths, *, kernels) -> str:
         shape = shape_of(run["rows"][0])
         if before is None:
             out.append(f"\n{shape}: not measured again, its run is the one at "
-                       f"{run['args']['commit']}")
+                       f"{last_commit(run)}")
             continue
         for blocks in ("equal", "best"):
             out += [f"\n{shape}, {'512²' if blocks == 'equal' else 'best blocks'}:",

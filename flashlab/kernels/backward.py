@@ -13,7 +13,9 @@ both; :func:`backward_grid.resolve_backward` picks):
 * **fused kernel** (the dK/dV kernel with ``fused``): the dK/dV kernel below, whose steps also
   add ``dS'_ij K_j`` into a float32 dQ ``[G, T, d]`` that stays resident in VMEM for the whole
   (batch, kv head) and is written once: five matmuls per tile instead of seven. Where that
-  does not fit, dQ is resident per query chunk and dK, dV are summed over the chunks.
+  does not fit, dQ is resident per query chunk and dK, dV are summed over the chunks. On v6e
+  and 7x, where every block is visible, dO and dQ hold the query positions on lanes (``[d,
+  T]``, :func:`backward_config.grads_on_lanes`): ``dQᵀ += Kᵀ dS'ᵀ`` takes the tile as it is.
 * **dK/dV kernel**, grid ``(batch, kv_heads, T_c, G, T_r)`` (dense): kv block ``j`` of kv head ``hk``
   stays in VMEM while the ``G`` query heads sharing it (GQA) and their q blocks ``i`` stream
   past; dK_j, dV_j accumulate in float32 VMEM scratch and are written once. The last two axes
@@ -60,7 +62,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -72,20 +73,13 @@ from flashlab.kernels import forward as fwd
 from flashlab.kernels import forward_grid, visit
 from flashlab.compat.pallas import pl
 from flashlab.kernels.backward_cost import cost_estimate
-from flashlab.kernels.backward_tile import tile as _tile
+from flashlab.kernels.backward_tile import dkdv_tile, tile as _tile
 from flashlab.kernels.dbias import dbias_kernel
-from flashlab.kernels.refs import RefNames, Window, name_refs
+from flashlab.kernels.refs import RefNames, name_refs
 from flashlab.kernels.backward_grid import (
-    BackwardGridSpec, _full_bias, dbias_config, _q_range, dbias_grid_spec, dkdv_grid_spec, dq_grid_spec, resolve_backward, chunk_of_block, D_ROW, LOG2E, LSE_ROW, ForwardConfig)
+    BackwardGridSpec, _full_bias, dbias_config, grads_on_lanes, _q_range, dbias_grid_spec, dkdv_grid_spec, dq_grid_spec, resolve_backward, chunk_of_block, D_ROW, LOG2E, LSE_ROW, ForwardConfig)
 
-__all__ = ["flash_attention_backward", "EARLY_DV"]
-
-#: Where the dK/dV kernel issues ``dV += Pᵀ dO`` as soon as P exists, before ``dP`` and ``dS``
-#: (as splash orders it), instead of after both: (chip, masked tile). The static schedule
-#: decides (B=2 T=8192 H=16 d=128 bf16, 1024x1024, jax 0.12.0.1 / libtpu 0.0.50.1): the causal
-#: tile falls 8493 -> 8395 cycles on v5e and 8490 -> 8396 on v5p, but rises 4516 -> 4678 on
-#: v6e, 4609 -> 4743 on 7x and 8956 -> 9778 on v4; an unmasked tile moves 4 cycles on v5e.
-EARLY_DV = frozenset({("v5e", True), ("v5p", True)})
+__all__ = ["flash_attention_backward"]
 
 # ----------------------------------------------------------------------------- the kernels
 
@@ -106,6 +100,7 @@ def _dkdv_kernel(*refs, cfg: ForwardConfig, names: RefNames, fused: int = 0):
     q_lengths, kv_lengths = forward_grid.static_lengths(cfg, ins["q_lengths"], ins["kv_lengths"])
     q_len, kv_len = q_lengths[b], kv_lengths[b]
     chunked = fused > 1
+    lanes = grads_on_lanes(cfg, fused)        # dO [d_v, B_r] blocks, dQ [G, d, T / n]
     per = cfg.num_q_blocks // max(fused, 1)          # q blocks per chunk
     on_visits = "visits" in ins
     folded = not on_visits and diagonal.folds(cfg, fused)    # (b, hk, p, s): no g axis
@@ -173,8 +168,8 @@ def _dkdv_kernel(*refs, cfg: ForwardConfig, names: RefNames, fused: int = 0):
         starts = forward_grid.global_starts(offsets_ref, i * cfg.block_q, j * cfg.block_k,
                                             q_len, kv_len)
         dq_row = ((i - chunk * per) if chunked else i) * cfg.block_q  # q block i's dq rows
-        _dkdv_tile(ins, cfg, starts, dq_row if fused else None, g, piece, write, inside,
-                   dq_write)
+        dkdv_tile(ins, cfg, starts, dq_row if fused else None, g, piece, write, inside,
+                  dq_write, lanes=lanes)
 
     if fused and diagonal.applies(cfg):
         # A tile the causal diagonal crosses runs as its kv strips, each from the first query
@@ -213,59 +208,6 @@ def _dkdv_kernel(*refs, cfg: ForwardConfig, names: RefNames, fused: int = 0):
     def _write():       # scale once per row; chunked: the chunk's float32 partial
         dk_ref[...] = (dk_acc[...] * cfg.scale).astype(dk_ref.dtype)
         dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
-
-
-def _dkdv_tile(ins, cfg: ForwardConfig, starts, dq_row, g, piece=None, write=False,
-               inside=False, dq_write=False):
-    """One dK/dV step's tile: ``dV_j += P_ijᵀ dO_i``, ``dK_j += dS'_ijᵀ Q_i`` into the
-    accumulators, and with ``dq_row`` (the fused kernel: q block i's first row in its dQ
-    block) ``dQ_i += dS'_ij K_j`` into head ``g``'s rows. ``piece``
-    (:class:`diagonal.Piece`): only kv rows ``[k_lo, k_hi)`` by queries ``[q_lo, q_hi)`` of
-    it, ``[k_hi − k_lo, q_hi − q_lo]``, masked only where ``piece.masked``. ``inside``: a
-    whole tile below the causal diagonal (under :func:`diagonal.applies`, causal the only
-    mask) or wholly inside a window's band (:func:`band.applies`), masked only by run-time
-    lengths. ``write``: the kv block's first visit (:func:`diagonal.writes_first`): ``dV_j
-    =``, ``dK_j =``; a traced bool (the dense grid's first step of a row) selects it.
-    ``dq_write``: likewise ``dQ_i =`` (the dense grid's first kv row)."""
-    dk_acc, dv_acc = ins["dk_acc"], ins["dv_acc"]
-    acc, view, tcfg, k0, q0 = (...), ins, cfg, 0, 0
-    if piece is not None:               # the piece's rows of K, V and of Q, dO, stats_t
-        k0, q0 = piece.k_lo, piece.q_lo
-        nk, nq = piece.k_hi - k0, piece.q_hi - q0
-        acc, qs = (pl.ds(k0, nk), slice(None)), pl.ds(q0, nq)
-        view = dict(ins, q=Window(ins["q"], qs), do=Window(ins["do"], qs),
-                    k=Window(ins["k"], acc[0]), v=Window(ins["v"], acc[0]),
-                    stats_t=Window(ins["stats_t"], cols=qs))
-        unmasked = not (piece.masked or cfg.mask_q_len or cfg.mask_kv_len)
-        tcfg = dataclasses.replace(cfg, block_q=nq, block_k=nk,
-                                   is_causal=cfg.is_causal and not unmasked)
-
-    if inside and not (cfg.mask_q_len or cfg.mask_kv_len):
-        tcfg = dataclasses.replace(cfg, is_causal=False, window=None)
-
-    def into(ref, value, at=acc, first=write):                     # ref[at] (+)= value
-        if isinstance(first, bool):
-            ref[at] = value if first else ref[at] + value
-        else:           # traced (the dense grid's row start): a select, never 0 · garbage
-            ref[at] = jnp.where(first, value, ref[at] + value)
-
-    def add_dv(p_t):                                               # dV_j += P_ijᵀ dO_i
-        do = view["do"][...]
-        into(dv_acc, jnp.dot(p_t.astype(do.dtype), do, preferred_element_type=jnp.float32))
-    early = (cfg.chip, cfg.masks_tile) in EARLY_DV
-    if piece is not None:
-        starts = (starts[0] + q0, starts[1] + k0, *starts[2:])
-    p_t, _, ds_t = _tile(view, tcfg, *starts, transposed=True,
-                         use_p=add_dv if early else None)
-    q = view["q"][...]
-    if not early:
-        add_dv(p_t)
-    into(dk_acc, jnp.dot(ds_t.astype(q.dtype), q, preferred_element_type=jnp.float32))
-    if dq_row is not None:                             # dQ_i += dS'ᵀᵀ K_j: [B_r, d]
-        rows = pl.ds(pl.multiple_of(dq_row + q0, math.gcd(cfg.block_q, q0)), tcfg.block_q)
-        into(ins["dq"], jax.lax.dot_general(
-            ds_t.astype(q.dtype), view["k"][...], (((0,), (0,)), ((), ())),
-            preferred_element_type=jnp.float32), (g, rows, slice(None)), dq_write)
 
 
 def _dq_kernel(*refs, cfg: ForwardConfig, names: RefNames, has_ds):
@@ -372,13 +314,17 @@ def _backward(query, key, value, spec, out, lse, d_out, *, cfg: ForwardConfig, i
                                 (0, Dvp - cfg.head_dim_v)))
     pre = fwd.offset_operands(cfg, spec)
 
-    def run(gs, kernel_fn, kernel):
+    def run(gs, kernel_fn, kernel, given=arrays):
         return _call(gs, kernel_fn, kernel, interpret, q_lengths, kv_lengths,
-                     pre + gs.visits() + [arrays[n] for n in gs.in_names])
+                     pre + gs.visits() + [given[n] for n in gs.in_names])
 
     if fused:
-        dk, dv, dq = run(dkdv_grid_spec(cfg, fused=fused), _dkdv_kernel, "dkdv")
-        dq_outs = [(dq * cfg.scale).astype(cfg.dtype)]       # float32 [B, N, T_pad, d]
+        # dO [B, N, d_v, T] on lanes chips: one transpose from the caller's layout either way
+        lanes = grads_on_lanes(cfg, fused)
+        dk, dv, dq = run(dkdv_grid_spec(cfg, fused=fused), _dkdv_kernel, "dkdv", dict(
+            arrays, do=jnp.swapaxes(arrays["do"], 2, 3)) if lanes else arrays)
+        dq = jnp.swapaxes(dq, 2, 3) if lanes else dq            # float32 [B, N, T_pad, d]
+        dq_outs = [(dq * cfg.scale).astype(cfg.dtype)]
         if fused > 1:                  # the chunks' float32 partials [n, B, K, S, d]
             dk, dv = (x.sum(axis=0).astype(cfg.dtype) for x in (dk, dv))
     else:

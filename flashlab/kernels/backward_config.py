@@ -15,8 +15,8 @@ from flashlab.kernels import blocks as blk
 from flashlab.kernels import forward_config
 from flashlab.kernels.forward_config import ForwardConfig
 
-__all__ = ["BACKWARDS", "MAX_DQ_CHUNKS", "dq_chunks", "make_backward_config",
-           "resolve_backward"]
+__all__ = ["BACKWARDS", "GRADS_ON_LANES", "MAX_DQ_CHUNKS", "dq_chunks",
+           "grads_on_lanes", "make_backward_config", "resolve_backward"]
 
 #: The fused backward against the split one, whole backward on the static schedule (the stored
 #: ``bench tpu-static`` run, B=2 T=8192 H=16 d=128 bf16 causal, jax 0.12.0.1 / libtpu
@@ -32,6 +32,16 @@ BACKWARDS = ("auto", "split", "fused")
 #: again, against the ~8 GiB of K, V re-reads the split's dQ kernel adds at 1024-blocks.
 #: Past 8 chunks the split runs.
 MAX_DQ_CHUNKS = 8
+#: The chips whose fused kernel, where every block is visible, reads dO as ``[d, B_r]``
+#: blocks and keeps its dQ as ``[G, d, T / n]``: the query positions on lanes
+#: (:func:`grads_on_lanes`). Then ``dQᵀ = Kᵀ dS'ᵀ`` needs no transpose of the tile ``dS'ᵀ``,
+#: which ``dQ = dS' K`` does, and ``dPᵀ = V dOᵀ`` pushes its weights plainly. The fused tile,
+#: B=2 T=8192 H=16 d=128 bf16 non-causal, jax 0.12.0.1 / libtpu 0.0.50.1, at 512² (2048²):
+#: v6e 1611 -> 1487 cycles (20931 -> 18828), 7x 1634 -> 1479 (20849 -> 18767). Not on v5e
+#: and v5p, whose XLUs hide that transpose: 2805 -> 2804 (41451 -> 41527) on v5e, even with dP
+#: issued first 2777 (41542); nor on v4: 2876 -> 3193. dO is transposed from the caller's
+#: layout anyway ([B, T, N, d] -> [B, N, T, d]): from "BTNH" this costs no HBM pass.
+GRADS_ON_LANES = frozenset({"v6e", "7x"})
 
 
 def _vmem_kw(spec: AttentionSpec, fused: bool) -> dict:
@@ -85,6 +95,14 @@ def _chunk_counts(q_len: int, block_q: int, fused: bool) -> list[int]:
     divisors of its q-block count up to :data:`MAX_DQ_CHUNKS`); ``[1]`` for the split."""
     nq = -(-q_len // block_q)
     return [n for n in range(1, MAX_DQ_CHUNKS + 1) if nq % n == 0] if fused else [1]
+
+
+def grads_on_lanes(cfg: ForwardConfig, fused: int) -> bool:
+    """Whether the dK/dV kernel at ``cfg`` reads dO as ``[B, N, d, T]`` (blocks ``[d, B_r]``)
+    and writes its dQ as ``[B, N, d, T]`` float32: the fused kernel (``fused`` ≥ 1) on a chip
+    of :data:`GRADS_ON_LANES`, on its dense grid where every block is visible (no causal
+    mask, window or lengths: no diagonal or band pieces slice the query block)."""
+    return bool(fused) and cfg.chip in GRADS_ON_LANES and blk.every_block_visible(cfg)
 
 
 def dq_chunks(spec: AttentionSpec, cfg: ForwardConfig) -> int:

@@ -28,11 +28,12 @@ from flashlab.kernels import visit
 from flashlab.compat.pallas import pl
 from flashlab.kernels.block_ranges import _max, _min, div_nonneg
 from flashlab.kernels.backward_config import (  # noqa: F401  (re-exported: one import site)
-    BACKWARDS, MAX_DQ_CHUNKS, dq_chunks, make_backward_config, resolve_backward)
+    BACKWARDS, MAX_DQ_CHUNKS, dq_chunks, make_backward_config, grads_on_lanes,
+    resolve_backward)
 from flashlab.ladder import online_softmax
 
 
-__all__ = ["BACKWARDS", "MAX_DQ_CHUNKS", "dq_chunks", "resolve_backward", "ForwardConfig", "LSE_ROW", "D_ROW", "LOG2E", "BackwardGridSpec", "STATS_LANES", "backward_grid_specs", "dbias_config", "dbias_grid_spec", "dkdv_grid_spec", "dq_grid_spec", "make_backward_config", "prefetch_names", "chunk_of_block"]
+__all__ = ["BACKWARDS", "MAX_DQ_CHUNKS", "dq_chunks", "resolve_backward", "ForwardConfig", "LSE_ROW", "D_ROW", "LOG2E", "BackwardGridSpec", "STATS_LANES", "backward_grid_specs", "dbias_config", "dbias_grid_spec", "dkdv_grid_spec", "dq_grid_spec", "make_backward_config", "prefetch_names", "chunk_of_block", "grads_on_lanes"]
 
 ForwardConfig = forward_config.ForwardConfig
 # The dQ kernel's statistics ``stats [B, N, T, 256]`` float32: lse in lanes [0, 128), D_i in
@@ -91,12 +92,13 @@ def _on_visit_grid(cfg: ForwardConfig, transposed: bool, q_chunks: int = 1) -> b
 
 
 def _q_side_operands(cfg, q_map, kv_map, scores_map_for, qseg_map, kvseg_map,
-                     transposed=False):
+                     transposed=False, lanes=False):
     """Inputs both kernels read: names, BlockSpecs, padded HBM shapes.
 
     ``transposed`` (the dK/dV kernel): the statistics are ``stats_t`` rows ``[8, B_r]`` and
     the segment ids swap orientation (q ids on lanes ``[8, B_r]``, kv ids on sublanes
-    ``[B_c, 128]``), as the tile ``Sᵀ [B_c, B_r]`` wants them.
+    ``[B_c, 128]``), as the tile ``Sᵀ [B_c, B_r]`` wants them. ``lanes``
+    (:func:`grads_on_lanes`): dO too, ``[B, N, d_v, T]`` in blocks ``[d_v, B_r]``.
     """
     B, N = cfg.batch, cfg.num_heads
     bq, bk = cfg.block_q, cfg.block_k
@@ -114,6 +116,9 @@ def _q_side_operands(cfg, q_map, kv_map, scores_map_for, qseg_map, kvseg_map,
         def rows_map(*idx):
             b, h, i, _ = q_map(*idx)
             return (b, h, 0, i)
+        if lanes:                                                        # dO: [d_v, B_r]
+            specs[3] = pl.BlockSpec((None, None, Dvp, bq), rows_map)
+            shapes[3] = sds((B, N, Dvp, Tp), cfg.dtype)
         names.append("stats_t")
         specs.append(pl.BlockSpec((None, None, SL, bq), rows_map))
         shapes.append(sds((B, N, SL, Tp), jnp.float32))
@@ -176,7 +181,9 @@ def dkdv_grid_spec(cfg: ForwardConfig, fused: int = 0) -> BackwardGridSpec:
     kv-block axis is "arbitrary" (only ``b`` and ``hk`` split across TensorCores).
     With ``n > 1`` the grid is ``(b, hk, c, j, g, i)`` with ``i`` local to chunk ``c`` (the
     visit grid lists chunk after chunk, :func:`visit.visit_table`), and dK, dV are float32
-    partials ``[n, B, K, S, d]`` (scaled), one per chunk, summed after the kernel.
+    partials ``[n, B, K, S, d]`` (scaled), one per chunk, summed after the kernel. Where
+    :func:`grads_on_lanes`, dO is read in ``[d_v, B_r]`` blocks and dQ is ``[B, N, d, T]``
+    in blocks ``[G, d, T / n]``.
     """
     n = int(fused)
     G = cfg.group_size
@@ -249,8 +256,9 @@ def dkdv_grid_spec(cfg: ForwardConfig, fused: int = 0) -> BackwardGridSpec:
     def kvseg_map(*a):
         return (a[0], 0, kv_block(*a))
 
+    lanes = grads_on_lanes(cfg, n)                    # only where the dense grid runs
     names, specs, shapes = _q_side_operands(cfg, q_map, kv_map, scores_map_for, qseg_map,
-                                            kvseg_map, transposed=True)
+                                            kvseg_map, transposed=True, lanes=lanes)
     sds = jax.ShapeDtypeStruct
     B, K = cfg.batch, cfg.num_kv_heads
     if n > 1:                           # float32 partials [n, B, K, S, d], one per chunk
@@ -265,12 +273,16 @@ def dkdv_grid_spec(cfg: ForwardConfig, fused: int = 0) -> BackwardGridSpec:
         out_shapes = (sds((B, K, Sp, Dp), cfg.dtype), sds((B, K, Sp, Dvp), cfg.dtype))
     out_names = ("dk", "dv")
     if n:                  # the G heads of kv head hk, one chunk of rows: resident
-        def dq_map(b, hk, *a):
-            return (b, hk, chunk_of(b, hk, *a) if n > 1 else 0, 0)
+        def dq_dims(T):                                  # lanes: [d, T], else [T, d]
+            return (Dp, T) if lanes else (T, Dp)
+
+        def dq_map(b, hk, *a):                           # block (chunk, 0), lanes (0, chunk)
+            c = chunk_of(b, hk, *a) if n > 1 else 0
+            return (b, hk, 0, c) if lanes else (b, hk, c, 0)
         out_names += ("dq",)
-        out_specs += (pl.BlockSpec((None, G, cfg.q_len_p // n, Dp), dq_map,
+        out_specs += (pl.BlockSpec((None, G, *dq_dims(cfg.q_len_p // n)), dq_map,
                                    pipeline_mode=pl.Buffered(1)),)
-        out_shapes += (sds((B, cfg.num_heads, cfg.q_len_p, Dp), jnp.float32),)
+        out_shapes += (sds((B, cfg.num_heads, *dq_dims(cfg.q_len_p)), jnp.float32),)
     scratch = (compat.VMEM((bk, Dp), jnp.float32), compat.VMEM((bk, Dvp), jnp.float32))
     if on_visits:
         grid = (B, K, nv, G)
