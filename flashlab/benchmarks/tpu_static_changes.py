@@ -39,7 +39,9 @@ def stored_before(name: str) -> dict:
     :func:`tpu_static_report.before_after_table` (per run with
     :func:`tpu_static_remeasured.measured_again`, where the file names each run's commit:
     ``"forward_vmem_before"``, ``"dq_zeroing_before"``, the fused backward's rows of the four
-    non-causal runs before its first kv row wrote dQ)."""
+    non-causal runs before its first kv row wrote dQ, ``"grads_on_lanes_before"``, v6e's and
+    7x's of them before dO and dQ took the query positions on lanes:
+    :data:`flashlab.kernels.backward_config.GRADS_ON_LANES`)."""
     return json.loads((DATA / f"{name}.json").read_text())
 
 
