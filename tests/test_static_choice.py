@@ -392,8 +392,9 @@ def test_the_fused_backward_holds_do_and_dq_on_lanes_on_v6e_and_7x():
     the stored BEFORE rows (``grads_on_lanes_before``: v6e's and 7x's fused rows of the four
     non-causal runs at 396a8c9), in every run measured again since, at every pair: the XLU
     transposes ``K_j`` (``B_c / 8`` cycles) where it transposed ``dS'`` (``B_r B_c / 1024``),
-    the MXUs are busy a tenth less (one matmul of five at half its cycles), the tile is 8-12%
-    shorter and the whole kernel faster."""
+    the MXUs are busy a tenth less (one matmul of five at half its cycles; at d = 64, whose
+    ``dQᵀ`` streams 64 rows, 15% less), the tile is 8-13% shorter and the whole kernel
+    faster."""
     doc = tpu_static_report.stored_before("grads_on_lanes_before")
     again = 0
     for path, run, before in remeasured(doc, static_table.STORED_SHAPES):
@@ -410,7 +411,8 @@ def test_the_fused_backward_holds_do_and_dq_on_lanes_on_v6e_and_7x():
         for b, a in pairs:
             assert need(b, "XLU") == b["block_q"] * b["block_k"] // 1024, b
             assert need(a, "XLU") == a["block_k"] // 8, b
-            assert need(a, "MXU") * 10 == need(b, "MXU") * 9, b
-            assert 0.88 * b["tile_cycles"] < a["tile_cycles"] < 0.925 * b["tile_cycles"], b
+            assert need(a, "MXU") * (10 if b["head_dim"] == 128 else 20) == need(b, "MXU") * (
+                9 if b["head_dim"] == 128 else 17), b
+            assert 0.87 * b["tile_cycles"] < a["tile_cycles"] < 0.925 * b["tile_cycles"], b
             assert a["est_cycles"] < b["est_cycles"], b
     assert again >= 1
