@@ -48,8 +48,12 @@ def chip_clock(chip: str) -> tuple[float | None, float | None, str]:
     compiler gives a tile at d=256 the MXU cycles of d=128 (512², per MXU: the forward 512 at
     both, the fused backward 1280, for twice the FLOPs), so at d=256 an estimate can
     read below the peak-FLOP floor (B=2 T=4096 H=16 causal, 512²: v6e's fused backward 0.61 ms
-    against a 0.75 ms floor). Either the real clock is half the derived one (and at d <= 128
-    their MXUs reach half their peak at most) or the model is optimistic at d=256; a TPU run
+    against a 0.75 ms floor). At d=128 too, since flashlab's fused backward keeps dQ ``[d,
+    T]`` there (:data:`flashlab.kernels.backward_config.GRADS_ON_LANES`: its ``dQᵀ = Kᵀ dS'ᵀ``
+    is ``B_r`` wide where ``dQ = dS' K`` was ``d`` wide): B=2 T=8192 H=16 non-causal at 2048²,
+    v6e's tile spends 18432 MXU cycles where the floor allows 20480, and the kernel reads 2.77
+    ms against a 2.99 ms floor. Either the real clock is half the derived one (and a matmul
+    128 wide or deep reaches half their peak at most) or the model is optimistic; a TPU run
     decides. The ratios between libraries hold either way. The table marks such rows
     (``BELOW_FLOOR``).
     """

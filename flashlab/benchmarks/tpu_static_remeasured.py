@@ -30,12 +30,22 @@ def remeasured(doc: dict, paths):
         yield path, run, ([r for r in doc["rows"] if shape_of(r) == shape] if again else None)
 
 
-def measured_again(doc: dict, paths, *, kernels) -> str:
+def _key(r) -> tuple:
+    return (shape_of(r), r["chip"], r["library"], r["kernel"], r["blocks"], r.get("block_q"),
+            r.get("block_k"))
+
+
+def measured_again(doc: dict, paths, *, kernels, later=()) -> str:
     """For each run of :func:`remeasured` measured again since, flashlab's ``kernels`` of its
     shape before and after, at 512² and at the best blocks
-    (:func:`tpu_static_report.before_after_table`); a run not measured again says so."""
+    (:func:`tpu_static_report.before_after_table`); a run not measured again says so.
+    ``later``: the BEFORE files of changes made after this one; their rows stand for the
+    run's (same shape, chip, library, kernel and blocks), so "after" is the rows right after
+    this change, not today's."""
+    then = {_key(r): r for d in later for r in d["rows"]}
     out = []
     for _, run, before in remeasured(doc, paths):
+        run = dict(run, rows=[then.get(_key(r), r) for r in run["rows"]])
         shape = shape_of(run["rows"][0])
         if before is None:
             out.append(f"\n{shape}: not measured again, its run is the one at "

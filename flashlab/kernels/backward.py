@@ -88,8 +88,9 @@ def _dkdv_kernel(*refs, cfg: ForwardConfig, names: RefNames, fused: int = 0):
     dK_j += scale·dS'_ijᵀ Q_i.
 
     ``refs`` by name (:meth:`BackwardGridSpec.ref_names`). ``fused`` (``n ≥ 1``): also
-    ``dQ_i += dS'_ij K_j`` into the float32 output block ``dq [G, T / n, d]``, resident in
-    VMEM for the whole (b, hk) and query chunk; with ``n > 1`` the dense grid is
+    ``dQ_i += dS'_ij K_j`` into the float32 output block ``dq [G, T / n, d]`` (``[G, d, T /
+    n]`` where :func:`backward_config.grads_on_lanes`), resident in VMEM for the whole (b, hk)
+    and query chunk; with ``n > 1`` the dense grid is
     ``(b, hk, c, j, g, i)`` and dK, dV are the chunk's float32 partials (see
     :func:`dkdv_grid_spec`)."""
     ins = name_refs(refs, names)
