@@ -560,7 +560,7 @@ def test_fused_backward_in_query_chunks(visit, option, interpret):
     mode = device.tpu_interpret_params() if interpret == "tpu" else True
     for n in ((3,) if interpret == "tpu" else (3, 1)):
         gs = dkdv_grid_spec(cfg, fused=n)
-        dims = (H, 384 // n) if grads_on_lanes(cfg, n) else (384 // n, H)   # plain: lanes
+        dims = (H, 384 // n) if grads_on_lanes(cfg, n) else (384 // n, H)   # v6e, 7x: lanes
         assert gs.q_chunks == n and gs.spec("dq").block_shape == (None, 2, *dims)
         if n > 1:
             assert gs.shape("dk").shape == (n, B, K, 384, H)        # float32 partials

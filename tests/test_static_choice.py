@@ -416,7 +416,7 @@ def test_the_fused_backward_holds_do_and_dq_on_lanes_on_v6e_and_7x():
                 9 if b["head_dim"] == 128 else 17), b
             assert 0.87 * b["tile_cycles"] < a["tile_cycles"] < 0.925 * b["tile_cycles"], b
             assert a["est_cycles"] < b["est_cycles"], b
-    assert again >= 1
+    assert again >= 3                                      # T = 8192, d = 64, T = 32768
     # the change before it, read as it stood right after (chapter 07): v6e at T = 8192, 512²,
     # 1625 -> 1611 cycles there, not -> 1487 (today's, after this change too)
     text = tpu_static_remeasured.measured_again(
