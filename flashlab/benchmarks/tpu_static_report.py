@@ -211,10 +211,9 @@ def table(rows) -> str:
 #: The footnote of a row whose estimate reads below the peak-FLOP floor (see chip_clock).
 BELOW_FLOOR = (
     "!: the estimate reads below the peak-FLOP floor, which no kernel can beat: the compiler's "
-    "MXU model does more multiply-adds a cycle here than the clock derived from JAX's peak allows "
-    "(v6e and 7x give a tile at d=256 the MXU cycles of d=128, and flashlab's fused backward, "
-    "whose dQ is B_r wide there, fewer than its FLOPs at that peak). Compare this row's cycles "
-    "with other libraries' at the same chip and shape, not its ms with the floor.")
+    "MXU model does more multiply-adds a cycle than the clock derived from JAX's peak allows "
+    "(v6e, 7x: a d=256 tile at d=128's MXU cycles; a fused backward with dQ B_r wide). Compare "
+    "its cycles with other libraries' at the same chip and shape, not its ms with the floor.")
 
 
 def backward_rows(rows) -> list:
