@@ -4,16 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from flashlab.benchmarks.tpu_static_report import before_after_table, shape_of
+from flashlab.benchmarks.tpu_static_report import _row_key, before_after_table, shape_of
 from flashlab.dispatch import static_table
 
-__all__ = ["last_commit", "remeasured", "measured_again"]
-
-
-def last_commit(run: dict) -> str:
-    """The commit a stored run's newest rows were measured at: its own run's, or that of the
-    last ``bench tpu-static --update`` into it (which replaced some of its rows)."""
-    return (run.get("updates") or [run["args"]])[-1]["commit"]
+__all__ = ["remeasured", "measured_again"]
 
 
 def remeasured(doc: dict, paths):
@@ -26,13 +20,8 @@ def remeasured(doc: dict, paths):
             continue
         run = static_table.stored(path)
         shape = shape_of(run["rows"][0])
-        again = last_commit(run) != doc["runs"][path.name]
+        again = run["args"]["commit"] != doc["runs"][path.name]
         yield path, run, ([r for r in doc["rows"] if shape_of(r) == shape] if again else None)
-
-
-def _key(r) -> tuple:
-    return (shape_of(r), r["chip"], r["library"], r["kernel"], r["blocks"], r.get("block_q"),
-            r.get("block_k"))
 
 
 def measured_again(doc: dict, paths, *, kernels, later=()) -> str:
@@ -42,14 +31,14 @@ def measured_again(doc: dict, paths, *, kernels, later=()) -> str:
     ``later``: the BEFORE files of changes made after this one; their rows stand for the
     run's (same shape, chip, library, kernel and blocks), so "after" is the rows right after
     this change, not today's."""
-    then = {_key(r): r for d in later for r in d["rows"]}
+    then = {_row_key(r): r for d in later for r in d["rows"]}
     out = []
     for _, run, before in remeasured(doc, paths):
-        run = dict(run, rows=[then.get(_key(r), r) for r in run["rows"]])
+        run = dict(run, rows=[then.get(_row_key(r), r) for r in run["rows"]])
         shape = shape_of(run["rows"][0])
         if before is None:
             out.append(f"\n{shape}: not measured again, its run is the one at "
-                       f"{last_commit(run)}")
+                       f"{run['args']['commit']}")
             continue
         for blocks in ("equal", "best"):
             out += [f"\n{shape}, {'512²' if blocks == 'equal' else 'best blocks'}:",
