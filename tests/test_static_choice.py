@@ -4,8 +4,7 @@ import json
 import jax.numpy as jnp
 
 from flashlab.benchmarks import tpu_static_report
-from flashlab.benchmarks import tpu_static_remeasured
-from flashlab.benchmarks.tpu_static_remeasured import remeasured
+from flashlab.benchmarks.tpu_static_remeasured import measured_again, remeasured
 from flashlab.dispatch import registry, static_table
 from flashlab.kernels import blocks as blk, forward_grid, tuned_blocks
 from flashlab.kernels.forward import INIT_REGION
@@ -419,7 +418,6 @@ def test_the_fused_backward_holds_do_and_dq_on_lanes_on_v6e_and_7x():
     assert again == 4                                      # T = 2048, 8192, 32768, d = 64
     # the change before it, read as it stood right after (chapter 07): v6e at T = 8192, 512²,
     # 1625 -> 1611 cycles there, not -> 1487 (today's, after this change too)
-    text = tpu_static_remeasured.measured_again(
-        tpu_static_report.stored_before("dq_zeroing_before"), static_table.STORED_SHAPES,
-        kernels=("fused",), later=[doc])
+    text = measured_again(tpu_static_report.stored_before("dq_zeroing_before"),
+                          static_table.STORED_SHAPES, kernels=("fused",), later=[doc])
     assert "v6e  fused       1625 > 1611 " in text and "> 1487 " not in text

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from flashlab.benchmarks.tpu_static_report import _row_key, before_after_table, shape_of
+from flashlab.benchmarks.tpu_static_report import row_key, before_after_table, shape_of
 from flashlab.dispatch import static_table
 
 __all__ = ["remeasured", "measured_again"]
@@ -31,10 +31,10 @@ def measured_again(doc: dict, paths, *, kernels, later=()) -> str:
     ``later``: the BEFORE files of changes made after this one; their rows stand for the
     run's (same shape, chip, library, kernel and blocks), so "after" is the rows right after
     this change, not today's."""
-    then = {_row_key(r): r for d in later for r in d["rows"]}
+    then = {row_key(r): r for d in later for r in d["rows"]}
     out = []
     for _, run, before in remeasured(doc, paths):
-        run = dict(run, rows=[then.get(_row_key(r), r) for r in run["rows"]])
+        run = dict(run, rows=[then.get(row_key(r), r) for r in run["rows"]])
         shape = shape_of(run["rows"][0])
         if before is None:
             out.append(f"\n{shape}: not measured again, its run is the one at "

@@ -15,7 +15,7 @@ __all__ = ["LIBRARIES", "MATMULS", "ROLE_LABEL", "TARGETS", "update_rows", "best
            "target_table", "target_tables_by_shape", "shape_of", "header", "table",
            "training_step_table", "backward_rows", "step_rows", "OTHERS", "BACKWARD_ROLES",
            "BACKWARD_VARIANTS", "fused_vs_split_table", "splash_dq_partial_bytes",
-           "before_after_table", "stored_before", "diagonal_cycles", "diagonal_table"]
+           "before_after_table", "stored_before", "diagonal_cycles", "diagonal_table", "row_key"]
 
 #: Backward variants, measured for the backward only (their forward is their library's):
 #: ``splash_fused``, splash with ``use_fused_bwd_kernel``; ``flashlab_split``, flashlab with
@@ -32,7 +32,7 @@ ROLE_LABEL = {"forward": "forward", "dq": "dQ", "dkdv": "dK/dV", "fused": "fused
 BACKWARD_ROLES = ("dq", "dkdv", "fused")
 
 
-def _row_key(r) -> tuple:
+def row_key(r) -> tuple:
     """Rows replace each other by (chip, library, kernel, blocks, shape) and, for sweep rows,
     block pair (a sweep has one row per block pair)."""
     k = (r["chip"], r["library"], r["kernel"], r["blocks"], r.get("seq_len"), r.get("head_dim"),
@@ -45,7 +45,7 @@ def _row_key(r) -> tuple:
 def _job_key(r) -> tuple:
     """A backward row's compile: its key without the kernel (one ``jax.grad`` compiles the
     split's two kernels, or one fused kernel)."""
-    k = _row_key(dict(r, kernel="backward"))
+    k = row_key(dict(r, kernel="backward"))
     return k if r.get("kernel") in BACKWARD_ROLES else ()
 
 
@@ -62,11 +62,11 @@ def update_rows(path, rows, *, versions: dict, command: str, commit: str) -> dic
     new = {}
     for r in rows:
         r = dict(r, command=command, commit=commit, versions=dict(versions))
-        new[_row_key(r)] = r
+        new[row_key(r)] = r
     jobs = {_job_key(r) for r in new.values()} - {()}
     out, seen = [], set()
     for r in doc["rows"]:
-        k = _row_key(r)
+        k = row_key(r)
         if k in new:
             if k not in seen:
                 out.append(new[k])
