@@ -314,6 +314,37 @@ def test_fused_backward_runs_diagonal_tiles_as_strips(monkeypatch, visit, chunks
         assert compat.races_found() is False
 
 
+@pytest.mark.parametrize("visit,chunks,G,interpret,bq,bk", [
+    (True, 1, 1, "generic", 256, 256), (False, 2, 2, "generic", 256, 256),
+    (True, 1, 1, "generic", 256, 512), (False, 1, 1, "generic", 512, 256),
+    (True, 2, 2, "tpu", 256, 256)],
+    ids=["visit", "dense-chunks-gqa", "kv-twice-q", "q-twice-kv", "tpu-interpret"])
+def test_causal_fused_backward_reads_do_by_columns_on_v6e(monkeypatch, visit, chunks, G,
+                                                          interpret, bq, bk):
+    """Causal the only mask, on v6e: dO and dQ hold the query positions on lanes
+    (:func:`backward_config.grads_on_lanes`), so each diagonal strip reads its queries of dO
+    as columns ``[d, q_hi − q_lo]``, as it reads the transposed statistics. T = 1024 (whole
+    blocks: lengths would keep dO on rows) on both grids, dQ whole and in two query chunks
+    with GQA (G = 2), kv blocks twice the q block and half of it; in TPU interpret mode too
+    (race detector on). The float64 oracle's gradients to float32 tolerance."""
+    from flashlab.kernels import backward, diagonal
+    from flashlab.kernels.backward_grid import dkdv_grid_spec
+    monkeypatch.setattr(diagonal, "MIN_BLOCK_K", 256)
+    monkeypatch.setattr(diagonal, "MIN_BLOCK_Q", 256)
+    monkeypatch.setattr(diagonal, "STRIP_ROWS", {})               # 128 rows everywhere
+    q, k, v, dout, (q_, k_, v_, spec, out, lse) = _causal_case(31, 1, 1024, 2 * G, 2, 64,
+                                                               256)
+    cfg = make_backward_config(spec, block_q=bq, block_k=bk, visit_grid=visit, chip="v6e")
+    assert diagonal.applies(cfg) and grads_on_lanes(cfg, chunks)
+    assert dkdv_grid_spec(cfg, fused=chunks).spec("do").block_shape == (None, None, 64, bq)
+    mode = device.tpu_interpret_params() if interpret == "tpu" else True
+    got = backward._backward(q_, k_, v_, spec, out, lse, jnp.asarray(dout), cfg=cfg,
+                             interpret=mode, fused=chunks)[:3]
+    _assert_matches_oracle(got, q, k, v, dout, {"is_causal": True})
+    if interpret == "tpu":
+        assert compat.races_found() is False
+
+
 def test_fused_backward_masks_only_the_crossed_pieces(monkeypatch):
     """A tile below the causal diagonal is seen whole: the fused backward's interior tile
     builds no mask (v6e 2048²: 22742 -> 20890 cycles a tile), only the crossed tiles' masked

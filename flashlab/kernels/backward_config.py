@@ -100,9 +100,12 @@ def _chunk_counts(q_len: int, block_q: int, fused: bool) -> list[int]:
 def grads_on_lanes(cfg: ForwardConfig, fused: int) -> bool:
     """Whether the dK/dV kernel at ``cfg`` reads dO as ``[B, N, d, T]`` (blocks ``[d, B_r]``)
     and writes its dQ as ``[B, N, d, T]`` float32: the fused kernel (``fused`` ≥ 1) on a chip
-    of :data:`GRADS_ON_LANES`, on its dense grid where every block is visible (no causal
-    mask, window or lengths: no diagonal or band pieces slice the query block)."""
-    return bool(fused) and cfg.chip in GRADS_ON_LANES and blk.every_block_visible(cfg)
+    of :data:`GRADS_ON_LANES`, where every block is visible (no mask at all) or causal is the
+    only mask (no window or lengths: the diagonal's pieces slice dO's block by columns, as
+    they slice the transposed statistics)."""
+    causal = cfg.causal_only and not (cfg.mask_q_len or cfg.mask_kv_len)
+    return (bool(fused) and cfg.chip in GRADS_ON_LANES
+            and (blk.every_block_visible(cfg) or causal))
 
 
 def dq_chunks(spec: AttentionSpec, cfg: ForwardConfig) -> int:
