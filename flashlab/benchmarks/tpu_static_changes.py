@@ -41,7 +41,8 @@ def stored_before(name: str) -> dict:
     ``"forward_vmem_before"``, ``"dq_zeroing_before"``, the fused backward's rows of the four
     non-causal runs before its first kv row wrote dQ, ``"grads_on_lanes_before"``, v6e's and
     7x's of them before dO and dQ took the query positions on lanes:
-    :data:`flashlab.kernels.backward_config.GRADS_ON_LANES`)."""
+    :data:`flashlab.kernels.backward_config.GRADS_ON_LANES`; ``"causal_lanes_before"``, v6e's
+    and 7x's fused rows of the six causal runs before the causal kernel did too)."""
     return json.loads((DATA / f"{name}.json").read_text())
 
 
