@@ -421,3 +421,30 @@ def test_the_fused_backward_holds_do_and_dq_on_lanes_on_v6e_and_7x():
     text = measured_again(tpu_static_report.stored_before("dq_zeroing_before"),
                           static_table.STORED_SHAPES, kernels=("fused",), later=[doc])
     assert "v6e  fused       1625 > 1611 " in text and "> 1487 " not in text
+
+
+def test_the_causal_fused_backward_holds_do_and_dq_on_lanes_on_v6e_and_7x():
+    """On v6e and 7x, where causal is the only mask (no window, no run-time lengths), the fused
+    kernel holds dO and dQ with the query positions on lanes too (f4e67fa): each diagonal
+    strip reads its queries of dO as columns. Against the stored BEFORE rows
+    (``causal_lanes_before``: v6e's and 7x's fused rows of the six causal runs before), in
+    each run measured again since, at every pair: the tile is 7-11% shorter and the whole
+    kernel faster; a run not measured again says so, with the commit it stands at."""
+    doc = tpu_static_report.stored_before("causal_lanes_before")
+    paths = (static_table.STORED, *static_table.STORED_SHAPES, *static_table.STORED_OPTIONS)
+    again = []
+    for path, run, before in remeasured(doc, paths):
+        if before is None:
+            continue                                       # not measured again since
+        again.append(path.name)
+        after = [r for r in tuned_blocks.stored_rows(run)
+                 if (r["library"], r["kernel"]) == ("flashlab", "fused")]
+        pairs = list(_matched(before, after))
+        assert len(pairs) >= 4, path                       # 2 chips x (512², defaults, ...)
+        for b, a in pairs:
+            assert 0.89 * b["tile_cycles"] < a["tile_cycles"] < 0.93 * b["tile_cycles"], b
+            assert a["est_cycles"] < b["est_cycles"], b
+    assert sorted(again) == ["tpu_static.json"]
+    text = measured_again(doc, paths, kernels=("fused",))
+    for name in set(doc["runs"]) - set(again):
+        assert f"not measured again, its run is the one at {doc['runs'][name]}" in text

@@ -209,18 +209,17 @@ def test_live_compile_bench_rows():
 
 @needs_libtpu
 def test_live_compile_v6e_prices_a_256_deep_pass_like_a_128_deep_one():
-    """v6e's compiler gives the fused backward tile the same MXU cycles at d=256 as at d=128 (twice
-    the FLOPs), so with the clock derived from JAX's peak the d=256 estimate reads below the
-    peak-FLOP floor; the table marks the row and says why (BELOW_FLOOR) instead of printing an
-    impossible figure unremarked. Causal: there the tile keeps dQ as rows, ``[B_r, d]``
-    (non-causal, v6e keeps it on lanes, ``backward_config.GRADS_ON_LANES``, and its d=128
-    tile spends fewer MXU cycles still)."""
+    """v6e's compiler gives the fused backward tile at d=256 (twice the FLOPs) barely more MXU
+    cycles than at d=128 (causal 512²: 1280 against 1152, dO and dQ on lanes,
+    ``backward_config.grads_on_lanes``), so with the clock derived from JAX's peak the d=256
+    estimate reads below the peak-FLOP floor; the table marks the row and says why
+    (BELOW_FLOOR) instead of printing an impossible figure unremarked."""
     from flashlab.benchmarks import tpu_static as bts
     from flashlab.benchmarks import tpu_static_report
     rows = {d: bts.measure(chips=["v6e"], libraries=["flashlab"], modes=["equal"],
                            kernels=["fused"], block=512, batch=1, seq_len=2048, heads=2,
                            head_dim=d, causal=True, progress=False)[0][0] for d in (128, 256)}
-    assert rows[128]["mxu_cycles"] == rows[256]["mxu_cycles"]
+    assert rows[128]["mxu_cycles"] < rows[256]["mxu_cycles"] <= 1.125 * rows[128]["mxu_cycles"]
     assert rows[128]["ratio_floor"] > 1 > rows[256]["ratio_floor"]
     text = tpu_static_report.table([rows[128], rows[256]])
     assert text.count("!") == 2 and tpu_static_report.BELOW_FLOOR[:40] in text.replace("\n", " ")

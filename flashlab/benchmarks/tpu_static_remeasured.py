@@ -7,7 +7,7 @@ from pathlib import Path
 from flashlab.benchmarks.tpu_static_report import row_key, before_after_table, shape_of
 from flashlab.dispatch import static_table
 
-__all__ = ["remeasured", "measured_again"]
+__all__ = ["remeasured", "measured_again", "right_after"]
 
 
 def remeasured(doc: dict, paths):
@@ -31,10 +31,9 @@ def measured_again(doc: dict, paths, *, kernels, later=()) -> str:
     ``later``: the BEFORE files of changes made after this one; their rows stand for the
     run's (same shape, chip, library, kernel and blocks), so "after" is the rows right after
     this change, not today's."""
-    then = {row_key(r): r for d in later for r in d["rows"]}
     out = []
     for _, run, before in remeasured(doc, paths):
-        run = dict(run, rows=[then.get(row_key(r), r) for r in run["rows"]])
+        run = dict(run, rows=right_after(run["rows"], later))
         shape = shape_of(run["rows"][0])
         if before is None:
             out.append(f"\n{shape}: not measured again, its run is the one at "
@@ -44,3 +43,11 @@ def measured_again(doc: dict, paths, *, kernels, later=()) -> str:
             out += [f"\n{shape}, {'512²' if blocks == 'equal' else 'best blocks'}:",
                     before_after_table(before, run["rows"], kernels=kernels, blocks=blocks)]
     return "\n".join(out)
+
+
+def right_after(rows, later) -> list:
+    """``rows`` as they stood before the changes whose BEFORE files are ``later``: each row
+    one of those files holds (same shape, chip, library, kernel and blocks) replaced by that
+    one, so a table of an earlier change shows its own "after", not today's."""
+    then = {row_key(r): r for d in later for r in d["rows"]}
+    return [then.get(row_key(r), r) for r in rows]

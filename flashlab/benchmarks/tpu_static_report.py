@@ -33,10 +33,10 @@ BACKWARD_ROLES = ("dq", "dkdv", "fused")
 
 
 def row_key(r) -> tuple:
-    """Rows replace each other by (chip, library, kernel, blocks, shape) and, for sweep rows,
-    block pair (a sweep has one row per block pair)."""
+    """Rows replace each other by (chip, library, kernel, blocks, shape, window and soft cap)
+    and, for sweep rows, block pair (a sweep has one row per block pair)."""
     k = (r["chip"], r["library"], r["kernel"], r["blocks"], r.get("seq_len"), r.get("head_dim"),
-         r.get("causal"))
+         r.get("causal"), tuple(r.get("window") or ()), r.get("soft_cap"))
     if r["blocks"] == "sweep":
         k += (r.get("block_q"), r.get("block_k"))
     return k
