@@ -423,6 +423,18 @@ def test_the_fused_backward_holds_do_and_dq_on_lanes_on_v6e_and_7x():
     assert "v6e  fused       1625 > 1611 " in text and "> 1487 " not in text
 
 
+def test_right_after_reads_an_earlier_change_as_it_stood():
+    """A row a later change's BEFORE file holds stands for today's row (same shape, chip,
+    library, kernel, blocks and option): a soft-capped row is not the plain one's."""
+    from flashlab.benchmarks.tpu_static_remeasured import right_after
+    plain = dict(chip="v6e", library="flashlab", kernel="fused", blocks="equal", seq_len=8192,
+                 head_dim=128, causal=True, tile_cycles=1445)
+    capped = dict(plain, soft_cap=50.0, tile_cycles=1700)
+    later = [{"rows": [dict(plain, tile_cycles=1569), dict(capped, tile_cycles=1800)]}]
+    got = right_after([plain, capped, dict(plain, chip="v5e", tile_cycles=2805)], later)
+    assert [r["tile_cycles"] for r in got] == [1569, 1800, 2805]
+
+
 def test_the_causal_fused_backward_holds_do_and_dq_on_lanes_on_v6e_and_7x():
     """On v6e and 7x, where causal is the only mask (no window, no run-time lengths), the fused
     kernel holds dO and dQ with the query positions on lanes too (f4e67fa): each diagonal
