@@ -190,6 +190,27 @@ def _causal_case(seed, B, T, N, K, H, block):
     return q, k, v, dout, (q_, k_, v_, spec, out, lse)
 
 
+def _interpretable_strips(monkeypatch):
+    """Diagonal strips from 256-blocks, 128 rows each on every chip (the real minimum, 512,
+    is too big to interpret)."""
+    from flashlab.kernels import diagonal
+    monkeypatch.setattr(diagonal, "MIN_BLOCK_K", 256)
+    monkeypatch.setattr(diagonal, "MIN_BLOCK_Q", 256)
+    monkeypatch.setattr(diagonal, "STRIP_ROWS", {})               # 128 rows everywhere
+
+
+def _fused_matches_causal_oracle(q, k, v, dout, residuals, cfg, interpret, chunks):
+    """The fused backward at ``cfg`` (dQ in ``chunks``), in ``interpret`` mode ("tpu": the
+    race detector on), against the float64 oracle's causal gradients."""
+    from flashlab.kernels import backward
+    mode = device.tpu_interpret_params() if interpret == "tpu" else True
+    got = backward._backward(*residuals, jnp.asarray(dout), cfg=cfg, interpret=mode,
+                             fused=chunks)[:3]
+    _assert_matches_oracle(got, q, k, v, dout, {"is_causal": True})
+    if interpret == "tpu":
+        assert compat.races_found() is False
+
+
 @pytest.mark.parametrize("visit", [True, False], ids=["visit-grid", "dense-grid"])
 def test_fused_backward_resident_dq_on_both_grids(visit):
     """The fused kernel adds each tile's ``dS'ᵀᵀ K_j`` into rows ``i`` of head ``g`` of one
@@ -299,19 +320,13 @@ def test_fused_backward_runs_diagonal_tiles_as_strips(monkeypatch, visit, chunks
     with T = 700 padded to 768 (lengths masked in every piece), B_c = 2 B_r (two crossing
     offsets, the unmasked strips merged into one piece without a mask) and B_r = 2 B_c; in
     TPU interpret mode too (race detector on). The float64 oracle's gradients."""
-    from flashlab.kernels import backward, diagonal
-    monkeypatch.setattr(diagonal, "MIN_BLOCK_K", 256)
-    monkeypatch.setattr(diagonal, "MIN_BLOCK_Q", 256)
-    monkeypatch.setattr(diagonal, "STRIP_ROWS", {})               # 128 rows everywhere
+    from flashlab.kernels import diagonal
+    _interpretable_strips(monkeypatch)
     q, k, v, dout, (q_, k_, v_, spec, out, lse) = _causal_case(29, 1, T, 2, 1, 64, 256)
     cfg = make_backward_config(spec, block_q=bq, block_k=bk, visit_grid=visit)
     assert diagonal.applies(cfg) and diagonal.cases(cfg)
-    mode = device.tpu_interpret_params() if interpret == "tpu" else True
-    got = backward._backward(q_, k_, v_, spec, out, lse, jnp.asarray(dout), cfg=cfg,
-                             interpret=mode, fused=chunks)[:3]
-    _assert_matches_oracle(got, q, k, v, dout, {"is_causal": True})
-    if interpret == "tpu":
-        assert compat.races_found() is False
+    _fused_matches_causal_oracle(q, k, v, dout, (q_, k_, v_, spec, out, lse), cfg, interpret,
+                                 chunks)
 
 
 @pytest.mark.parametrize("visit,chunks,G,interpret,bq,bk", [
@@ -327,22 +342,16 @@ def test_causal_fused_backward_reads_do_by_columns_on_v6e(monkeypatch, visit, ch
     blocks: lengths would keep dO on rows) on both grids, dQ whole and in two query chunks
     with GQA (G = 2), kv blocks twice the q block and half of it; in TPU interpret mode too
     (race detector on). The float64 oracle's gradients to float32 tolerance."""
-    from flashlab.kernels import backward, diagonal
+    from flashlab.kernels import diagonal
     from flashlab.kernels.backward_grid import dkdv_grid_spec
-    monkeypatch.setattr(diagonal, "MIN_BLOCK_K", 256)
-    monkeypatch.setattr(diagonal, "MIN_BLOCK_Q", 256)
-    monkeypatch.setattr(diagonal, "STRIP_ROWS", {})               # 128 rows everywhere
+    _interpretable_strips(monkeypatch)
     q, k, v, dout, (q_, k_, v_, spec, out, lse) = _causal_case(31, 1, 1024, 2 * G, 2, 64,
                                                                256)
     cfg = make_backward_config(spec, block_q=bq, block_k=bk, visit_grid=visit, chip="v6e")
     assert diagonal.applies(cfg) and grads_on_lanes(cfg, chunks)
     assert dkdv_grid_spec(cfg, fused=chunks).spec("do").block_shape == (None, None, 64, bq)
-    mode = device.tpu_interpret_params() if interpret == "tpu" else True
-    got = backward._backward(q_, k_, v_, spec, out, lse, jnp.asarray(dout), cfg=cfg,
-                             interpret=mode, fused=chunks)[:3]
-    _assert_matches_oracle(got, q, k, v, dout, {"is_causal": True})
-    if interpret == "tpu":
-        assert compat.races_found() is False
+    _fused_matches_causal_oracle(q, k, v, dout, (q_, k_, v_, spec, out, lse), cfg, interpret,
+                                 chunks)
 
 
 def test_fused_backward_masks_only_the_crossed_pieces(monkeypatch):
@@ -351,9 +360,7 @@ def test_fused_backward_masks_only_the_crossed_pieces(monkeypatch):
     strips do (two iotas each: query and key positions)."""
     from conftest import kernel_eqns
     from flashlab.kernels import backward, diagonal
-    monkeypatch.setattr(diagonal, "MIN_BLOCK_K", 256)
-    monkeypatch.setattr(diagonal, "MIN_BLOCK_Q", 256)
-    monkeypatch.setattr(diagonal, "STRIP_ROWS", {})               # 128 rows everywhere
+    _interpretable_strips(monkeypatch)
     q, k, v, dout, (q_, k_, v_, spec, out, lse) = _causal_case(29, 1, 768, 2, 1, 64, 256)
     cfg = make_backward_config(spec, block_q=256, block_k=256)
     masked = sum(p.masked for _, pieces in diagonal.cases(cfg) for p in pieces)
@@ -375,9 +382,7 @@ def test_fused_backward_first_visit_writes_dk_dv(monkeypatch, visit, interpret, 
     folded grid (an even number of kv blocks), else on the dense and the visit grids; the
     float64 oracle's gradients, in TPU interpret mode too (race detector on)."""
     from flashlab.kernels import backward, diagonal
-    monkeypatch.setattr(diagonal, "MIN_BLOCK_K", 256)
-    monkeypatch.setattr(diagonal, "MIN_BLOCK_Q", 256)
-    monkeypatch.setattr(diagonal, "STRIP_ROWS", {})               # 128 rows everywhere
+    _interpretable_strips(monkeypatch)
     q, k, v, dout, (q_, k_, v_, spec, out, lse) = _causal_case(31, 1, T, 2, 2, 64, 256)
     cfg = make_backward_config(spec, block_q=bq, block_k=bk, visit_grid=visit)
     assert diagonal.writes_first(cfg, 1) and not diagonal.writes_first(cfg, 2)
@@ -397,9 +402,7 @@ def test_folded_grid_with_fewer_keys_than_queries(monkeypatch):
     seen by its crossed tile, so the folded grid and the first-visit write hold; the float64
     oracle's gradients."""
     from flashlab.kernels import backward, diagonal
-    monkeypatch.setattr(diagonal, "MIN_BLOCK_K", 256)
-    monkeypatch.setattr(diagonal, "MIN_BLOCK_Q", 256)
-    monkeypatch.setattr(diagonal, "STRIP_ROWS", {})
+    _interpretable_strips(monkeypatch)
     rng = np.random.default_rng(33)
     q, k, v = random_qkv(rng, 1, 1024, 512, 2, 2, 64)
     dout = rng.standard_normal((1, 1024, 2, 64)).astype(np.float32)
