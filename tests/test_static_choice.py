@@ -440,8 +440,10 @@ def test_the_causal_fused_backward_holds_do_and_dq_on_lanes_on_v6e_and_7x():
     kernel holds dO and dQ with the query positions on lanes too (f4e67fa): each diagonal
     strip reads its queries of dO as columns. Against the stored BEFORE rows
     (``causal_lanes_before``: v6e's and 7x's fused rows of the six causal runs before), in
-    each run measured again since, at every pair: the tile is 7-11% shorter and the whole
-    kernel faster; a run not measured again says so, with the commit it stands at."""
+    each run measured again since (T = 8192, 2048, d = 64 and the soft cap), at every pair:
+    the tile is 7-12% shorter (under the soft cap, at v6e's 2048², 24%: 27628 -> 20967
+    cycles) and the whole kernel faster; a run not measured again (T = 32768, d = 256) says
+    so, with the commit it stands at."""
     doc = tpu_static_report.stored_before("causal_lanes_before")
     paths = (static_table.STORED, *static_table.STORED_SHAPES, *static_table.STORED_OPTIONS)
     again = []
@@ -454,9 +456,12 @@ def test_the_causal_fused_backward_holds_do_and_dq_on_lanes_on_v6e_and_7x():
         pairs = list(_matched(before, after))
         assert len(pairs) >= 4, path                       # 2 chips x (512², defaults, ...)
         for b, a in pairs:
-            assert 0.89 * b["tile_cycles"] < a["tile_cycles"] < 0.93 * b["tile_cycles"], b
+            capped_2048 = (b.get("soft_cap"), b["chip"], b["block_k"]) == (50.0, "v6e", 2048)
+            low = 0.75 if capped_2048 else 0.88
+            assert low * b["tile_cycles"] < a["tile_cycles"] < 0.93 * b["tile_cycles"], b
             assert a["est_cycles"] < b["est_cycles"], b
-    assert sorted(again) == ["tpu_static.json"]
+    assert sorted(again) == ["tpu_static.json", "tpu_static_d64.json", "tpu_static_softcap.json",
+                             "tpu_static_t2048.json"]
     text = measured_again(doc, paths, kernels=("fused",))
     for name in set(doc["runs"]) - set(again):
         assert f"not measured again, its run is the one at {doc['runs'][name]}" in text
