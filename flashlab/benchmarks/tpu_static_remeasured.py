@@ -29,8 +29,7 @@ def measured_again(doc: dict, paths, *, kernels, later=()) -> str:
     shape before and after, at 512² and at the best blocks
     (:func:`tpu_static_report.before_after_table`); a run not measured again says so.
     ``later``: the BEFORE files of changes made after this one; their rows stand for the
-    run's (same shape, chip, library, kernel and blocks), so "after" is the rows right after
-    this change, not today's."""
+    run's (:func:`right_after`), so "after" is the rows right after this change, not today's."""
     out = []
     for _, run, before in remeasured(doc, paths):
         run = dict(run, rows=right_after(run["rows"], later))
@@ -47,7 +46,8 @@ def measured_again(doc: dict, paths, *, kernels, later=()) -> str:
 
 def right_after(rows, later) -> list:
     """``rows`` as they stood before the changes whose BEFORE files are ``later``: each row
-    one of those files holds (same shape, chip, library, kernel and blocks) replaced by that
-    one, so a table of an earlier change shows its own "after", not today's."""
+    one of those files holds (the same :func:`tpu_static_report.row_key`: shape, option, chip,
+    library, kernel and blocks) replaced by that one, so a table of an earlier change shows
+    its own "after", not today's."""
     then = {row_key(r): r for d in later for r in d["rows"]}
     return [then.get(row_key(r), r) for r in rows]
