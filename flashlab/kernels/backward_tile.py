@@ -102,7 +102,7 @@ def dkdv_tile(ins, cfg: ForwardConfig, starts, dq_row, g, piece=None, write=Fals
         k0, q0 = piece.k_lo, piece.q_lo
         nk, nq = piece.k_hi - k0, piece.q_hi - q0
         acc, qs = (pl.ds(k0, nk), slice(None)), pl.ds(q0, nq)
-        do = Window(ins["do"], cols=qs) if lanes else Window(ins["do"], qs)   # [d_v, B_r]
+        do = Window(ins["do"], cols=qs) if lanes else Window(ins["do"], qs)   # lanes: [d_v, B_r]
         view = dict(ins, q=Window(ins["q"], qs), do=do,
                     k=Window(ins["k"], acc[0]), v=Window(ins["v"], acc[0]),
                     stats_t=Window(ins["stats_t"], cols=qs))
