@@ -110,7 +110,7 @@ def _dkdv_kernel(*refs, cfg: ForwardConfig, names: RefNames, fused: int = 0):
     chunk = 0
     if on_visits:               # (j, i) from the transposed visit list; the G heads innermost
         j, i, first_i, last_i, run = visit.step_at(ins["visits"], pl.program_id(2))
-        ranged = cfg.mask_q_len or cfg.mask_kv_len      # listed = positionally visible
+        ranged = cfg.length_masked      # listed = positionally visible
         if chunked:             # chunk after chunk, each listing every kv row from j = 0
             chunk = chunk_of_block(i, per)
     elif chunked:               # (b, hk, c, j, g, i): i local to chunk c
@@ -222,7 +222,7 @@ def _dq_kernel(*refs, cfg: ForwardConfig, names: RefNames, has_ds):
     q_len, kv_len = q_lengths[b], kv_lengths[b]
     if "visits" in ins:                          # (i, j) from the forward's visit list
         i, j, first, last, run = visit.step_at(ins["visits"], pl.program_id(2))
-        ranged = cfg.mask_q_len or cfg.mask_kv_len      # listed = positionally visible
+        ranged = cfg.length_masked      # listed = positionally visible
     else:
         i, j = pl.program_id(2), pl.program_id(3)
         first, last, run, ranged = j == 0, j == cfg.num_kv_blocks - 1, None, True

@@ -103,7 +103,7 @@ def grads_on_lanes(cfg: ForwardConfig, fused: int) -> bool:
     of :data:`GRADS_ON_LANES`, where every block is visible (no mask at all) or causal is the
     only mask (no window or lengths: the diagonal's pieces slice dO's block by columns, as
     they slice the transposed statistics)."""
-    causal = cfg.causal_only and not (cfg.mask_q_len or cfg.mask_kv_len)
+    causal = cfg.causal_only and not cfg.length_masked
     return (bool(fused) and cfg.chip in GRADS_ON_LANES
             and (blk.every_block_visible(cfg) or causal))
 

@@ -193,7 +193,7 @@ def dkdv_grid_spec(cfg: ForwardConfig, fused: int = 0) -> BackwardGridSpec:
     banded = not folded and band.grid_applies(cfg, max(n, 1))    # (b, hk, j, g, t)
     on_visits = not (folded or banded) and _on_visit_grid(cfg, transposed=True,
                                                           q_chunks=max(n, 1))
-    clamp = cfg.mask_q_len or cfg.mask_kv_len
+    clamp = cfg.length_masked
     per = cfg.num_q_blocks // max(n, 1)                  # q blocks per chunk
 
     def q_block(b, j, i, q_lengths, kv_lengths, offsets=None, chunk=None):

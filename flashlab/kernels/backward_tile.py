@@ -106,11 +106,11 @@ def dkdv_tile(ins, cfg: ForwardConfig, starts, dq_row, g, piece=None, write=Fals
         view = dict(ins, q=Window(ins["q"], qs), do=do,
                     k=Window(ins["k"], acc[0]), v=Window(ins["v"], acc[0]),
                     stats_t=Window(ins["stats_t"], cols=qs))
-        unmasked = not (piece.masked or cfg.mask_q_len or cfg.mask_kv_len)
+        unmasked = not (piece.masked or cfg.length_masked)
         tcfg = dataclasses.replace(cfg, block_q=nq, block_k=nk,
                                    is_causal=cfg.is_causal and not unmasked)
 
-    if inside and not (cfg.mask_q_len or cfg.mask_kv_len):
+    if inside and not cfg.length_masked:
         tcfg = dataclasses.replace(cfg, is_causal=False, window=None)
 
     def into(ref, value, at=acc, first=write):                     # ref[at] (+)= value

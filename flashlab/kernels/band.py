@@ -56,7 +56,7 @@ def applies(cfg: ForwardConfig) -> bool:
     window, :attr:`ForwardConfig.positions_only` and no length masks (q lengths, kv lengths or
     kv padding), each of which would still mask an inside tile."""
     return (cfg.window is not None and cfg.positions_only
-            and not (cfg.mask_q_len or cfg.mask_kv_len))
+            and not cfg.length_masked)
 
 
 def forward_applies(cfg: ForwardConfig) -> bool:

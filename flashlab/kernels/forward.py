@@ -207,7 +207,7 @@ def _forward_kernel(*refs, cfg: ForwardConfig, names: RefNames):
         if nk != bk:                                            # the keys the piece sees
             kk = pl.ds(p.k_lo, nk)
             view = dict(view, k=Window(ins["k"], kk), v=Window(ins["v"], kk))
-        unmasked = not (p.masked or cfg.mask_q_len or cfg.mask_kv_len)
+        unmasked = not (p.masked or cfg.length_masked)
         pcfg = dataclasses.replace(cfg, block_q=nq, block_k=nk,
                                    is_causal=cfg.is_causal and not unmasked,
                                    window=None if unmasked else cfg.window)

@@ -69,8 +69,13 @@ class ForwardConfig:
     def masks_tile(self) -> bool:
         """Whether a score tile can hide anything: causal, window, lengths, kv padding,
         segments or a mask. ``False``: every score is visible and the kernels build no mask."""
-        return (self.is_causal or self.window is not None or self.mask_q_len
-                or self.mask_kv_len or self.has_segments or self.mask_bcast is not None)
+        return (self.is_causal or self.window is not None or self.length_masked
+                or self.has_segments or self.mask_bcast is not None)
+
+    @property
+    def length_masked(self) -> bool:
+        """q lengths, kv lengths or kv padding: rows or keys past a run-time length masked."""
+        return self.mask_q_len or self.mask_kv_len
 
     @property
     def positions_only(self) -> bool:
@@ -98,8 +103,7 @@ class ForwardConfig:
 
     @property
     def col_chunks(self) -> int:
-        """How many column chunks the forward folds each row chunk in
-        (:data:`FORWARD_COL_CHUNK`)."""
+        """How many column chunks each row chunk is folded in (:data:`FORWARD_COL_CHUNK`)."""
         return 1 if self.chunk_cols is None else self.block_k // self.chunk_cols
 
     @property
@@ -126,9 +130,8 @@ class ForwardConfig:
                 for c in range(self.row_chunks)]
 
     def chunk_visits(self) -> tuple[int, int]:
-        """``(partial, chunks)`` per (batch, head): the visible tiles that take the partial
-        path (:attr:`partial_tiles`) and the row chunks they run, from positions alone (the
-        static schedule's estimate counts them)."""
+        """``(partial, chunks)`` per (batch, head): tiles taking the partial path
+        (:attr:`partial_tiles`), the row chunks they run; from positions (the static estimate)."""
         return _partial_visits(self) if self.partial_tiles else (0, 0)
 
     def computed_pairs(self) -> int:
@@ -338,9 +341,6 @@ def _chunk_cols(cfg: ForwardConfig) -> int | None:
     if (cols is None or cfg.block_k <= cols or cfg.block_k % cols or rows < COL_CHUNK_MIN_ROWS
             or cfg.bias_dtype is not None or cfg.partial_tiles):
         return None
-    # a masked tile keeps whole rows, except under causal alone, whose interior tile masks
-    # nothing under the query strips (which cut the crossed tiles by their own pieces), and
-    # a window's tile inside its band (band.py; the edge tiles keep whole rows)
     return cols if cfg.causal_only or band.applies(cfg) or not cfg.masks_tile else None
 
 

@@ -164,7 +164,7 @@ def static_lengths(cfg, q_lengths, kv_lengths):
     """The lengths index maps and kernels read: Python ints when they are static (none
     given, no kv padding, no offsets), so every block range folds to a few scalar ops per
     grid step instead of SMEM loads, divisions and clamps (~110 cycles per step on v6e)."""
-    if cfg.mask_q_len or cfg.mask_kv_len or cfg.has_offsets:
+    if cfg.length_masked or cfg.has_offsets:
         return q_lengths, kv_lengths
     return _Const(cfg.q_len), _Const(cfg.kv_len)
 
@@ -272,7 +272,7 @@ def visit_index_maps(cfg: ForwardConfig) -> IndexMaps:
     nothing.
     """
     G = cfg.group_size
-    clamp = cfg.mask_q_len or cfg.mask_kv_len
+    clamp = cfg.length_masked
 
     def ij(b, t, q_lengths, kv_lengths, visits):
         i, j = visit.at(visits, t)
