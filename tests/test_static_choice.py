@@ -457,18 +457,17 @@ def test_the_causal_fused_backward_holds_do_and_dq_on_lanes_on_v6e_and_7x():
         pairs = list(_matched(before, after))
         assert len(pairs) >= 4, path                       # 2 chips x (512², defaults, ...)
         for b, a in pairs:
-            capped_2048 = (b.get("soft_cap"), b["chip"], b["block_k"]) == (50.0, "v6e", 2048)
-            low, high = (0.95, 1.005) if b["head_dim"] == 256 else (
-                0.75 if capped_2048 else 0.88, 0.93)
+            low, high = 0.88, 0.93
+            if b["head_dim"] == 256:                       # the layout barely moves it
+                low, high = 0.95, 1.005
+            elif (b.get("soft_cap"), b["chip"], b["block_k"]) == (50.0, "v6e", 2048):
+                low = 0.75
             assert low * b["tile_cycles"] < a["tile_cycles"] < high * b["tile_cycles"], b
             if b["head_dim"] != 256:
                 assert a["est_cycles"] < b["est_cycles"], b
-        best = {}                                          # (chip, before?) -> fastest est
-        for b, a in pairs:
-            for side, row in (("before", b), ("after", a)):
-                key = (row["chip"], side)
-                best[key] = min(best.get(key, row["est_cycles"]), row["est_cycles"])
-        assert all(best[(chip, "after")] < best[(chip, "before")] for chip in ("v6e", "7x"))
+        for chip in ("v6e", "7x"):                         # faster at the best blocks
+            mine = [(b, a) for b, a in pairs if b["chip"] == chip]
+            assert min(a["est_cycles"] for _, a in mine) < min(b["est_cycles"] for b, _ in mine)
     assert sorted(again) == sorted(doc["runs"])            # every causal run measured again
     assert len(again) == 6
     # a BEFORE file naming a run at the commit it still stands at reads "not measured again"

@@ -55,8 +55,7 @@ def applies(cfg: ForwardConfig) -> bool:
     """Whether a visible tile of ``cfg`` may be told inside the band from positions alone: a
     window, :attr:`ForwardConfig.positions_only` and no length masks (q lengths, kv lengths or
     kv padding), each of which would still mask an inside tile."""
-    return (cfg.window is not None and cfg.positions_only
-            and not cfg.length_masked)
+    return cfg.window is not None and cfg.positions_only and not cfg.length_masked
 
 
 def forward_applies(cfg: ForwardConfig) -> bool:
