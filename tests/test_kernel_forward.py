@@ -217,12 +217,13 @@ def test_soft_cap_folds_its_scale_into_the_query_block():
 
 @pytest.mark.parametrize("chip, bq, bk, folded", [
     ("v5e", 512, 512, True), ("v5e", 1024, 1024, True), ("v5e", 2048, 2048, False),
-    ("v5e", 2048, 1024, False), ("v5p", 2048, 2048, False), ("v6e", 2048, 2048, True),
+    ("v5e", 2048, 1024, True), ("v5e", 512, 2048, False), ("v5e", 1024, 2048, False),
+    ("v5p", 2048, 2048, False), ("v5p", 2048, 512, True), ("v6e", 2048, 2048, True),
     ("v4", 2048, 512, True)])
 def test_soft_cap_stays_unfolded_where_measured_to_pack_better(chip, bq, bk, folded):
     """forward_config.SOFT_CAP_UNFOLDED: v5e and v5p keep ``cap·tanh(scale·s / cap)`` on
-    natural logits for a tile in row chunks of 512 rows (2048²: 19074 against 21605 cycles
-    folded on v5e); every other tile folds and runs in base 2."""
+    natural logits for a tile in row chunks of 2048 keys (2048²: 3.55 against 3.83 ms folded
+    on v5e); every other tile folds and runs in base 2."""
     from flashlab.kernels.forward_config import make_config
     x = jnp.zeros((1, 8192, 1, 128), jnp.bfloat16)
     *_, spec = validate(x, x, x, is_causal=True, logits_soft_cap=50.0)
@@ -277,11 +278,11 @@ def test_row_chunks_match_the_oracle(monkeypatch, option):
 
 def test_unfolded_soft_cap_matches_the_oracle(monkeypatch):
     """Where the soft cap stays unfolded (forward_config.SOFT_CAP_UNFOLDED, here made to cover
-    the test's 32-row chunks) the tile computes ``cap·tanh(scale·s / cap)`` on natural logits:
+    the test's chunked 128-key tiles) the tile computes ``cap·tanh(scale·s / cap)`` on natural logits:
     the same attention as the folded base-2 one."""
     from flashlab.kernels import forward_config
     _chunked(monkeypatch)
-    monkeypatch.setattr(forward_config, "SOFT_CAP_UNFOLDED", frozenset({("v5e", 32)}))
+    monkeypatch.setattr(forward_config, "SOFT_CAP_UNFOLDED", frozenset({("v5e", 128)}))
     rng = np.random.default_rng(13)
     B, T, S, N, K, H = 2, 200, 300, 4, 2, 64
     q, k, v = random_qkv(rng, B, T, S, N, K, H)
@@ -370,6 +371,8 @@ def test_row_chunks_only_where_measured_to_pay():
     assert [rows(c, 1024, 1024) for c in ("v5e", "v5p", "v4", "v6e", "7x")] == [
         256, 256, 512, 512, None]
     assert rows("v5e", 1024, 2048) == 256 and rows("v6e", 2048, 1024) == 1024
+    # v5e and v5p: chunks of 256 rows however tall the tile (2048²: 8, 4096 x 2048: 16)
+    assert rows("v5e", 2048, 2048) == rows("v5p", 2048, 1024) == rows("v5e", 4096, 2048) == 256
     assert rows("v5e", 512, 1024) == 256                # two chunks of at least 256 rows
     assert rows("v5e", 512, 512) == rows("v5p", 512, 512) == 256     # 512 columns: v5e, v5p
     assert rows("v4", 512, 512) is None and rows("v6e", 512, 512) is None

@@ -94,7 +94,8 @@ class ForwardConfig:
         """Under a soft cap, whether ``scale/cap`` rides on the query block (one multiply and
         one ``tanh`` per score, base-2 softmax); :data:`SOFT_CAP_UNFOLDED` says where the
         unfolded form, ``cap·tanh(scale·s / cap)`` on natural logits, packs better."""
-        return self.soft_cap is not None and (self.chip, self.chunk_rows) not in SOFT_CAP_UNFOLDED
+        return self.soft_cap is not None and not (
+            self.chunk_rows and (self.chip, self.block_k) in SOFT_CAP_UNFOLDED)
 
     @property
     def row_chunks(self) -> int:
@@ -286,8 +287,9 @@ def make_config(spec: AttentionSpec, *, block_q=None, block_k=None, return_lse=F
 #: 512² two chunks cost v6e 1001 -> 1309 cycles and v4 1721 -> 1770, v4's 2048 × 512 5548 ->
 #: 5868; on v5e and v5p two chunks of a 512² tile win with base-2 scores (v5e 1328 -> 1276;
 #: 1341 with natural ones, as first measured), hence :data:`CHUNK_MIN_BLOCK_K` and
-#: :data:`CHUNK_MIN_ROWS`.
-FORWARD_ROW_CHUNKS = {"v5e": 4, "v5p": 4, "v4": 2, "v6e": 2}
+#: :data:`CHUNK_MIN_ROWS`. v5e and v5p keep 256 rows a chunk in taller tiles (4 / 8 chunks:
+#: 2048² v5e 17547 / 17137, v5p 17577 / 17125; d=256 34159 / 33615; 2048 × 1024 9112 / 8988).
+FORWARD_ROW_CHUNKS = {"v5e": 16, "v5p": 16, "v4": 2, "v6e": 2}
 #: The narrowest tile folded in chunks, per chip (absent: 1024): narrower, a tile has too
 #: little softmax to hide, except on v5e and v5p, whose 512-column tiles gain from two
 #: chunks of 256 rows (causal, 512²: v5e 1328 -> 1276 cycles, v5p 1313 -> 1289; non-causal
@@ -357,13 +359,15 @@ KEEP_NATURAL_SCORES = frozenset({("v5e", True), ("v5p", True)})
 
 
 #: Where the forward's soft cap keeps its unfolded form (:attr:`ForwardConfig.cap_in_query`):
-#: (chip, rows of a row chunk). Folding ``scale/cap`` into the query block takes a divide and
-#: a multiply off every score and keeps the softmax in base 2 (causal T=8192, cap 50, one
-#: tile: 512² v4 2012 -> 1782 cycles, v5e 1433 -> 1345, v5p 1439 -> 1359, v6e 1321 -> 1117,
-#: 7x 1355 -> 1144; 2048² v6e 12606 -> 11316, 7x 14285 -> 12491; v4 2048 × 512 7901 -> 6909;
-#: v5e 1024² 4828 -> 4823), but v5e and v5p pack a tile in row chunks of 512 rows worse with
-#: it (2048²: v5e 19074 -> 21605, v5p 19141 -> 21723; 2048 × 1024: 9724 -> 9937, 9453 -> 9887).
-SOFT_CAP_UNFOLDED = frozenset({("v5e", 512), ("v5p", 512)})
+#: (chip, ``B_c`` of a tile in row chunks). Folding ``scale/cap`` into the query block takes a
+#: divide and a multiply off every score and keeps the softmax in base 2 (causal T=8192, cap 50,
+#: one tile: 512² v4 2012 -> 1782 cycles, v5e 1433 -> 1345, v5p 1439 -> 1359, v6e 1321 -> 1117,
+#: 7x 1355 -> 1144; 2048² v6e 12606 -> 11316, 7x 14285 -> 12491; v4 2048 × 512 7901 -> 6909),
+#: but v5e and v5p pack row chunks of 2048 keys worse with it (256 rows each; whole forward,
+#: folded -> unfolded: 2048² v5e 3.83 -> 3.55 ms, v5p 3.29 -> 3.06; 1024 × 2048 3.93 -> 3.68,
+#: 3.38 -> 3.18) and of 1024 or 512 keys better (2048 × 1024 v5e 3.65 -> 3.70; 1024² 3.72 ->
+#: 3.75, v5p 3.20 -> 3.23; 2048 × 512 3.69 -> 3.84).
+SOFT_CAP_UNFOLDED = frozenset({("v5e", 2048), ("v5p", 2048)})
 
 
 def _log2_scores(cfg: ForwardConfig) -> bool:
@@ -392,11 +396,6 @@ VISIT_MAX_SHARE = {("forward", None): 1.0, ("backward", None): 2 / 3, ("backward
                    ("backward", "v4"): 0.6}
 
 
-def visit_max_share(kernel: str, chip: str | None) -> float:
-    """:data:`VISIT_MAX_SHARE` of ``kernel`` ("forward" or "backward") on ``chip``."""
-    return VISIT_MAX_SHARE.get((kernel, chip), VISIT_MAX_SHARE[(kernel, None)])
-
-
 def _use_visit_grid(cfg: ForwardConfig, want: bool | None, kernel: str = "forward") -> bool:
     if want is not None and not isinstance(want, bool):
         raise TypeError(f"visit_grid: expected None, True or False, got {want!r}")
@@ -411,7 +410,8 @@ def _use_visit_grid(cfg: ForwardConfig, want: bool | None, kernel: str = "forwar
             why = f"{n} visits per (batch, head) exceed visit.MAX_VISITS={visit.MAX_VISITS}"
         elif want is None:
             dense = cfg.num_q_blocks * cfg.num_kv_blocks
-            if n >= dense or n > visit_max_share(kernel, cfg.chip) * dense:
+            share = VISIT_MAX_SHARE.get((kernel, cfg.chip), VISIT_MAX_SHARE[(kernel, None)])
+            if n >= dense or n > share * dense:
                 return False     # nothing skipped, or too little to pay for the dearer steps
     if why is not None:
         if want:
