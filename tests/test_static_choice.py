@@ -96,6 +96,51 @@ def test_forward_optimisation_rows_are_measured_and_tabulated():
     assert str(rows[0]["tile_cycles"]) in text and "VALU" in text
 
 
+def test_taller_tiles_keep_256_row_chunks_as_measured():
+    """``forward_tall_chunks.json``: v5e's and v5p's plain 2048² tile in four row chunks of 512
+    rows (before) and in eight of 256 (after, as ``FORWARD_ROW_CHUNKS`` cuts it now), each row
+    compiled from its own commit: after, the tile is shorter and spills less on both chips."""
+    from flashlab.kernels.forward_config import make_config
+    from flashlab.viz import tpu_schedule as viz
+    rows = viz.optimisation_rows(static_table.STORED.parent / "forward_tall_chunks.json")
+    before, after = rows[:2], rows[2:]
+    assert len({r["tree"] for r in before} | {r["tree"] for r in after}) == 2
+    x = jnp.zeros((1, 8192, 1, 128), jnp.bfloat16)
+    *_, spec = validate(x, x, x)
+    for b, a in zip(before, after):
+        assert b["chip"] == a["chip"] and (b["block_q"], b["block_k"]) == (2048, 2048)
+        assert make_config(spec, block_q=2048, block_k=2048, chip=a["chip"]).chunk_rows == 256
+        assert a["tile_cycles"] < b["tile_cycles"] and a["est_cycles"] < b["est_cycles"]
+        assert a["unit_busy"]["VSTORE:SPILL"] < b["unit_busy"]["VSTORE:SPILL"]
+
+
+def test_taller_chunks_speed_up_only_the_tiles_they_cut():
+    """Against the stored BEFORE rows (``forward_tall_before``: v5e's and v5p's forward rows of
+    the eleven runs at ad88965), in every run measured again since: a tile of 2048 rows or more
+    (eight chunks where it had four) and a soft-capped chunked tile 2048 keys wide (unfolded
+    where it folded, or in shorter chunks) got faster; every other row compiled to the same
+    cycles."""
+    doc = tpu_static_report.stored_before("forward_tall_before")
+    cycles = ("tile_cycles", "step_cycles", "init_cycles", "finalize_cycles", "est_cycles")
+    paths = (static_table.STORED, *static_table.STORED_SHAPES, *static_table.STORED_OPTIONS)
+    again = changed = 0
+    for path, run, before in remeasured(doc, paths):
+        if before is None:
+            continue                                          # not measured again since
+        again += 1
+        after = [r for r in tuned_blocks.stored_rows(run)
+                 if (r["library"], r["kernel"]) == ("flashlab", "forward")]
+        for b, a in _matched(before, after):
+            cut = b["block_q"] >= 2048 or (b.get("soft_cap") and b["block_k"] == 2048
+                                           and b["block_q"] >= 512)
+            changed += bool(cut)
+            if cut:
+                assert a["est_cycles"] < b["est_cycles"], (path.name, b)
+            else:
+                assert [a[c] for c in cycles] == [b[c] for c in cycles], (path.name, b)
+    assert again >= 1 and changed >= 2 * again
+
+
 def test_target_table_compares_with_the_better_official_kernel():
     rows = [dict(chip="v5e", library=lib, kernel="forward", blocks=b, block_q=q, block_k=q,
                  est_cycles=c, est_ms=c / 1e3)
