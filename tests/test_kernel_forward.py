@@ -278,8 +278,8 @@ def test_row_chunks_match_the_oracle(monkeypatch, option):
 
 def test_unfolded_soft_cap_matches_the_oracle(monkeypatch):
     """Where the soft cap stays unfolded (forward_config.SOFT_CAP_UNFOLDED, here made to cover
-    the test's chunked 128-key tiles) the tile computes ``cap·tanh(scale·s / cap)`` on natural logits:
-    the same attention as the folded base-2 one."""
+    the test's chunked 128-key tiles) the tile computes ``cap·tanh(scale·s / cap)`` on natural
+    logits: the same attention as the folded base-2 one."""
     from flashlab.kernels import forward_config
     _chunked(monkeypatch)
     monkeypatch.setattr(forward_config, "SOFT_CAP_UNFOLDED", frozenset({("v5e", 128)}))

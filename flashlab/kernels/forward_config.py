@@ -273,7 +273,7 @@ def make_config(spec: AttentionSpec, *, block_q=None, block_k=None, return_lse=F
     return dataclasses.replace(cfg, log2_scores=_log2_scores(cfg))
 
 
-#: How many row chunks the forward folds its ``[B_r, B_c]`` tile in, per chip (absent: one).
+#: The most row chunks the forward folds its ``[B_r, B_c]`` tile in, per chip (absent: one).
 #: Folded as one chain (``Q_i K_jᵀ`` on the MXU, then the softmax on the VPU, EUP and XLU, then
 #: ``P V_j`` on the MXU) the tile leaves the MXU idle while the softmax runs: each stage needs
 #: the whole of the one before (a row's max needs every column of ``Q_i K_jᵀ``). Rows are
